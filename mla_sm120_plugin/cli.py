@@ -1,0 +1,187 @@
+"""``mla-sm120``: check a deployment, inspect this machine, benchmark the kernels.
+
+Exit codes: 0 servable / fine, 2 not servable or bad input (the message says why and how to
+fix it), 1 an unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+from typing import Any, Sequence
+
+from .errors import MlaSm120Error
+
+EXIT_OK = 0
+EXIT_UNSERVABLE = 2
+
+KV_DTYPE_ALIASES = {"auto": "bf16", "bfloat16": "bf16"}
+
+
+def _check(args: argparse.Namespace) -> int:
+    from . import config as config_mod
+    from . import device as device_mod
+    from .hooks.manager import get_registry
+    from .modelinfo import resolve_model
+    from .selection import decision_to_dict, explain, select
+    from .types import SelectionContext
+
+    reg = get_registry()
+    facts = resolve_model(args.model, registry=reg)
+    flags = {k: v for k, v in (("prefill_kernel", args.prefill_kernel), ("decode_kernel", args.decode_kernel)) if v}
+    cfg = config_mod.load_config(
+        flags or None, kernel_names=reg.kernels, config_file=args.config, inline_label="command-line flags"
+    )
+    settings = cfg.for_model(facts.name, facts.arch)
+    forced_by = ", ".join(
+        f"{k} from {settings.origin(k)}" for k in config_mod.KERNEL_KEYS if getattr(settings, k) != "auto"
+    ) or "config"
+    kv = KV_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    ctx = SelectionContext(
+        model_arch=facts.arch,
+        model_name=facts.name,
+        kv_cache_dtype=kv,
+        num_heads=facts.heads_per_rank(args.tp),
+        index_topk=facts.index_topk,
+        device=device_mod.detect(override=args.sm),
+        prefill_kernel=settings.prefill_kernel,
+        decode_kernel=settings.decode_kernel,
+        kv_scale_format=settings.kv_scale_format,
+        max_decode_tokens=args.max_decode_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graphs=not args.enforce_eager,
+        forced_by=forced_by,
+    )
+    decision = select(ctx, registry=reg)
+    print(json.dumps(decision_to_dict(decision), indent=2) if args.json else explain(decision))
+    return EXIT_OK
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> dict[str, Any]:
+    """What is installed, what GPU this is, what plugins registered, and each kernel's probe."""
+    from . import device as device_mod
+    from .hooks.manager import get_registry
+    from .selection import probe_reasons
+
+    dev = device_mod.detect(use_torch=True)
+    reg = get_registry()
+    kernels = []
+    for name, spec in reg.kernels.items():
+        reasons = probe_reasons(spec, dev)
+        kernels.append(
+            {
+                "name": name,
+                "provider": reg.providers[("kernel", name)],
+                "priority": spec.priority,
+                "phases": sorted(spec.phases),
+                "kv_cache_dtypes": sorted(spec.kv_cache_dtypes),
+                "can_run_here": not reasons,
+                "reasons": list(reasons),
+            }
+        )
+    return {
+        "python": platform.python_version(),
+        "packages": {d: _version(d) for d in ("mla-sm120-plugin", "torch", "triton", "flashinfer-python", "vllm", "pluggy")},
+        "device": {
+            "vendor": dev.vendor, "sm": dev.sm, "name": dev.name, "cuda_version": dev.cuda_version, "source": dev.source,
+        },
+        "plugins": dict(reg.plugins),
+        "blocked_plugins": list(reg.blocked),
+        "model_profiles": [
+            {"name": p.name, "architectures": list(p.architectures), "provider": reg.providers[("profile", p.name)]}
+            for p in reg.profiles.values()
+        ],
+        "kernels": kernels,
+    }
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    report = doctor_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    print(f"python      {report['python']}")
+    for dist, ver in report["packages"].items():
+        print(f"{dist:<18} {ver or 'not installed'}")
+    d = report["device"]
+    print(f"device      {d['vendor']} sm={d['sm']} {d['name']} cuda={d['cuda_version'] or '?'} [{d['source']}]")
+    print("plugins:")
+    for name, label in report["plugins"].items():
+        print(f"  {name:<22} {label}")
+    for name in report["blocked_plugins"]:
+        print(f"  {name:<22} BLOCKED by MLA_SM120_DISABLE_PLUGINS")
+    print("model profiles:")
+    for p in report["model_profiles"]:
+        print(f"  {p['name']:<16} {', '.join(p['architectures'])}  [{p['provider']}]")
+    print("kernels:")
+    for k in report["kernels"]:
+        status = "can run here" if k["can_run_here"] else "cannot run here: " + "; ".join(k["reasons"])
+        print(f"  {k['name']:<24} prio {k['priority']:<4} {status}  [{k['provider']}]")
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .kernels import bench
+
+    result = bench.run_benchmarks(quick=args.quick, device=args.device)
+    text = json.dumps(result, indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(text)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla-sm120", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="decide the kernels for a model/GPU/KV dtype, before any weight loads")
+    check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
+    check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
+    check.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides the heads)")
+    check.add_argument("--kv-cache-dtype", default="fp8_ds_mla", help="fp8_ds_mla (default), bf16/auto, or what you pass vLLM")
+    check.add_argument("--prefill-kernel", help="force a prefill kernel (auto or a kernel name)")
+    check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
+    check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
+    check.add_argument("--max-decode-tokens", type=int, help="most tokens a decode step sees (batch x (1 + spec tokens))")
+    check.add_argument("--max-prefill-tokens", type=int, help="most tokens a prefill step sees (max_num_batched_tokens)")
+    check.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (allows the torch reference for decode)")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.set_defaults(func=_check)
+
+    doctor = sub.add_parser("doctor", help="versions, GPU, plugins and kernel probes on this machine")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=_doctor)
+
+    bench = sub.add_parser("bench", help="kernel timings on this device (JSON)")
+    bench.add_argument("--quick", action="store_true", help="few, small shapes")
+    bench.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    bench.add_argument("--output", help="also write the JSON here")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MlaSm120Error as exc:
+        if getattr(args, "json", False):
+            print(json.dumps({"servable": False, "error": type(exc).__name__, "message": str(exc)}, indent=2))
+        print(f"mla-sm120 {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_UNSERVABLE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

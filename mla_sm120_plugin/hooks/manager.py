@@ -1,0 +1,227 @@
+"""The plugin manager: built-ins and entry-point plugins, loaded and checked alike.
+
+:func:`get_registry` returns the flattened, validated view the selection uses; it is built
+once per process (the first call loads entry points) and reused, so a selection costs
+microseconds afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import pluggy
+
+from ..errors import PluginError, format_error
+from ..types import KernelSpec, ModelProfile
+from . import specs
+from .specs import ENTRY_POINT_GROUP, PROJECT_NAME
+
+DISABLE_ENV = "MLA_SM120_DISABLE_PLUGINS"
+
+# Built-in hook modules, registered under these names exactly as an entry point would be.
+BUILTIN_PLUGINS: Mapping[str, str] = {
+    "mla_sm120.models": "mla_sm120_plugin.hooks.builtin",
+    "mla_sm120.kernels": "mla_sm120_plugin.kernels.catalog",
+}
+
+
+@dataclass(frozen=True)
+class Registry:
+    """What all plugins registered, flattened, with who provided each item.
+
+    :param kernels: kernel name -> spec, in registration order.
+    :param profiles: profile name -> profile.
+    :param by_arch: HF architecture -> profile.
+    :param providers: ``("kernel"|"profile", name)`` -> provider label.
+    :param plugins: plugin name -> provider label (``"builtin"`` or ``"dist 1.2 (entry point x)"``).
+    :param blocked: plugin names blocked through ``MLA_SM120_DISABLE_PLUGINS``.
+    """
+
+    pm: pluggy.PluginManager = field(repr=False)
+    kernels: Mapping[str, KernelSpec]
+    profiles: Mapping[str, ModelProfile]
+    by_arch: Mapping[str, ModelProfile]
+    providers: Mapping[tuple[str, str], str]
+    plugins: Mapping[str, str]
+    blocked: tuple[str, ...]
+
+    def profile_for(self, name_or_arch: str) -> ModelProfile | None:
+        """A profile by CLI name, alias or HF architecture (case-insensitive names)."""
+        if name_or_arch in self.by_arch:
+            return self.by_arch[name_or_arch]
+        key = name_or_arch.lower()
+        for profile in self.profiles.values():
+            if key == profile.name or key in (a.lower() for a in profile.aliases):
+                return profile
+        return None
+
+
+def _blocked_names() -> tuple[str, ...]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
+
+
+def _provider_label(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    dist_name = f"{dist.metadata['Name']} {dist.version}" if dist is not None else "unknown distribution"
+    return f"{dist_name} (entry point {ep.name!r} = {ep.value!r})"
+
+
+def _load_entry_points(pm: pluggy.PluginManager, labels: dict[str, str]) -> None:
+    # Entry points are loaded one by one, not with pm.load_setuptools_entrypoints, so that an
+    # import failure can be pinned on the distribution that shipped it.
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        label = _provider_label(ep)
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # any failure in third-party import code is the plugin's
+            raise PluginError(
+                format_error(
+                    f"plugin {label} failed to import: {type(exc).__name__}: {exc}",
+                    f"entry points in group {ENTRY_POINT_GROUP!r} that import cleanly",
+                    f"fix or uninstall that distribution, or set {DISABLE_ENV}={ep.name}",
+                )
+            ) from exc
+        try:
+            pm.register(plugin, name=ep.name)
+        except Exception as exc:  # pluggy rejects malformed hookimpls here
+            raise PluginError(
+                format_error(
+                    f"plugin {label} could not be registered: {exc}",
+                    f"hook implementations matching {specs.__name__}",
+                    f"fix its hook signatures, or set {DISABLE_ENV}={ep.name}",
+                )
+            ) from exc
+        labels[ep.name] = label
+
+
+def _collect(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    item_type: type,
+    labels: Mapping[str, str],
+) -> list[tuple[Any, str]]:
+    """Call every implementation of a list-returning hook, tagging items with their provider."""
+    out: list[tuple[Any, str]] = []
+    # pluggy lists implementations last-registered first; reverse so built-ins come first.
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
+        label = labels.get(impl.plugin_name, impl.plugin_name)
+        try:
+            result = impl.function()
+            items = list(result) if result is not None else []
+        except PluginError as exc:
+            raise PluginError(f"plugin {label}, hook {hook_name}: {exc}") from exc
+        except Exception as exc:
+            raise PluginError(
+                format_error(
+                    f"plugin {label}, hook {hook_name} raised {type(exc).__name__}: {exc}",
+                    f"a hook that returns an iterable of {item_type.__name__}",
+                    f"fix the plugin, or set {DISABLE_ENV}={impl.plugin_name}",
+                )
+            ) from exc
+        for item in items:
+            if not isinstance(item, item_type):
+                raise PluginError(
+                    format_error(
+                        f"plugin {label}, hook {hook_name} returned {type(item).__name__} {item!r:.80}",
+                        f"{item_type.__module__}.{item_type.__name__} instances",
+                        f"fix the plugin, or set {DISABLE_ENV}={impl.plugin_name}",
+                    )
+                )
+            out.append((item, label))
+    return out
+
+
+def _duplicate(kind: str, name: str, first: str, second: str) -> PluginError:
+    return PluginError(
+        format_error(
+            f"{kind} {name!r} registered twice: by {first} and by {second}",
+            f"unique {kind} names across plugins",
+            f"uninstall one of them, or block one with {DISABLE_ENV}",
+        )
+    )
+
+
+def build_registry(
+    *,
+    extra_plugins: Mapping[str, object] | None = None,
+    load_entry_points: bool = True,
+) -> Registry:
+    """Create a plugin manager, register built-ins and plugins, and flatten what they yield.
+
+    :param extra_plugins: name -> plugin object, registered after the entry points (tests and
+        embedders use this exactly like an installed plugin).
+    :param load_entry_points: load the ``mla_sm120_plugin`` entry-point group.
+    :returns: the validated :class:`Registry`.
+    :raises PluginError: a plugin failed to import, returned the wrong type, or clashed.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(specs)
+    blocked = _blocked_names()
+    for name in blocked:
+        pm.set_blocked(name)
+    labels: dict[str, str] = {}
+    for name, module in BUILTIN_PLUGINS.items():
+        if pm.is_blocked(name):
+            continue
+        pm.register(importlib.import_module(module), name=name)
+        labels[name] = f"builtin ({module})"
+    if load_entry_points:
+        _load_entry_points(pm, labels)
+    for name, plugin in (extra_plugins or {}).items():
+        if pm.is_blocked(name):
+            continue
+        pm.register(plugin, name=name)
+        labels[name] = name
+
+    kernels: dict[str, KernelSpec] = {}
+    providers: dict[tuple[str, str], str] = {}
+    for spec, label in _collect(pm, "mla_sm120_kernels", KernelSpec, labels):
+        if spec.name in kernels:
+            raise _duplicate("kernel", spec.name, providers[("kernel", spec.name)], label)
+        kernels[spec.name] = spec
+        providers[("kernel", spec.name)] = label
+
+    profiles: dict[str, ModelProfile] = {}
+    by_arch: dict[str, ModelProfile] = {}
+    for profile, label in _collect(pm, "mla_sm120_model_profiles", ModelProfile, labels):
+        if profile.name in profiles:
+            raise _duplicate("model profile", profile.name, providers[("profile", profile.name)], label)
+        for arch in profile.architectures:
+            if arch in by_arch:
+                other = by_arch[arch]
+                raise _duplicate(
+                    "architecture", arch, f"{providers[('profile', other.name)]} (profile {other.name!r})",
+                    f"{label} (profile {profile.name!r})",
+                )
+            by_arch[arch] = profile
+        profiles[profile.name] = profile
+        providers[("profile", profile.name)] = label
+
+    return Registry(
+        pm=pm,
+        kernels=kernels,
+        profiles=profiles,
+        by_arch=by_arch,
+        providers=providers,
+        plugins=dict(labels),
+        blocked=blocked,
+    )
+
+
+@functools.cache
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    return build_registry()
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (tests, or after installing a plugin at run time)."""
+    get_registry.cache_clear()
+

@@ -1,0 +1,128 @@
+"""The built-in kernels' specs, registered through ``mla_sm120_kernels`` like any plugin's.
+
+Each spec states its envelope as data; probes and dynamic envelopes import their packages
+lazily, so yielding the specs costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Iterator
+
+from ..hooks.specs import hookimpl
+from ..types import DECODE, PREFILL, DeviceInfo, KernelSpec, ModelProfile, SelectionContext
+from .layout import BF16, FP8_DS_MLA
+
+FLASHINFER = "flashinfer_sparse_mla"
+TRITON = "triton_sparse_mla"
+TORCH = "torch_sparse_mla"
+BUILTIN_KERNELS = (FLASHINFER, TRITON, TORCH)
+
+# SM families the Triton kernel is written for: mma.sync-class tensor cores (SM80+) and no
+# reliance on wgmma/tcgen05, which SM12x lacks.
+TRITON_SM_FAMILIES = frozenset({8, 9, 10, 12})
+
+
+def _missing_package(module: str, pip_name: str) -> tuple[str, ...]:
+    if importlib.util.find_spec(module) is None:
+        return (f"{module} is not installed (pip install {pip_name})",)
+    return ()
+
+
+def _flashinfer_probe(device: DeviceInfo) -> tuple[str, ...]:
+    missing = _missing_package("flashinfer", "mla-sm120-plugin[flashinfer]")
+    if missing:
+        return missing
+    from . import flashinfer
+
+    return tuple(flashinfer.probe())
+
+
+def _flashinfer_envelope(ctx: SelectionContext, phase: str, profile: ModelProfile | None) -> tuple[str, ...]:
+    if importlib.util.find_spec("flashinfer") is None:
+        # The probe reports the missing package; without it there is no table to read.
+        return ()
+    from . import flashinfer
+
+    return tuple(
+        flashinfer.envelope_reasons(
+            phase=phase,
+            num_heads=ctx.num_heads,
+            topk=ctx.index_topk,
+            max_tokens=ctx.max_tokens_for(phase),
+            kv_layout=ctx.kv_cache_dtype,
+            scale_format=ctx.kv_scale_format,
+            model_family=profile.flashinfer_family if profile is not None else None,
+        )
+    )
+
+
+def _gpu_or_interpreter(device: DeviceInfo) -> tuple[str, ...]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return ()
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("no CUDA GPU on this machine (TRITON_INTERPRET=1 runs it on the CPU, for testing only)",)
+    major, minor = torch.cuda.get_device_capability()
+    if major not in TRITON_SM_FAMILIES:
+        return (f"GPU is sm_{major}{minor}; the Triton kernel targets SM families {sorted(TRITON_SM_FAMILIES)}",)
+    return ()
+
+
+def _triton_probe(device: DeviceInfo) -> tuple[str, ...]:
+    return _missing_package("torch", "torch") or _missing_package("triton", "triton") or _gpu_or_interpreter(device)
+
+
+def _torch_probe(device: DeviceInfo) -> tuple[str, ...]:
+    return _missing_package("torch", "torch")
+
+
+FLASHINFER_SPEC = KernelSpec(
+    name=FLASHINFER,
+    phases=frozenset({PREFILL, DECODE}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA}),
+    vendors=frozenset({"nvidia"}),
+    sm_families=frozenset({12}),
+    priority=300,
+    entry="mla_sm120_plugin.kernels.flashinfer:flashinfer_sparse_mla",
+    probe=_flashinfer_probe,
+    envelope=_flashinfer_envelope,
+    graph_safe=True,
+    description="FlashInfer's native SM120/SM121 sparse MLA (fp8 Q/P internally)",
+)
+
+TRITON_SPEC = KernelSpec(
+    name=TRITON,
+    phases=frozenset({PREFILL, DECODE}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, BF16}),
+    # "cpu" only through Triton's interpreter (the probe checks TRITON_INTERPRET=1).
+    vendors=frozenset({"nvidia", "cpu"}),
+    sm_families=TRITON_SM_FAMILIES,
+    priority=200,
+    entry="mla_sm120_plugin.kernels.triton:triton_sparse_mla",
+    probe=_triton_probe,
+    graph_safe=True,
+    description="portable Triton kernel, split-K decode, in-kernel fp8 dequant",
+)
+
+TORCH_SPEC = KernelSpec(
+    name=TORCH,
+    phases=frozenset({PREFILL, DECODE}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, BF16}),
+    vendors=frozenset({"nvidia", "amd", "cpu"}),
+    priority=100,
+    entry="mla_sm120_plugin.kernels.reference:torch_sparse_mla",
+    probe=_torch_probe,
+    # Chunked loops and boolean masks: not capturable, and far too slow to serve from a graph.
+    graph_safe=False,
+    description="torch reference: ground truth, any device, memory-bounded",
+)
+
+
+@hookimpl
+def mla_sm120_kernels() -> Iterator[KernelSpec]:
+    yield FLASHINFER_SPEC
+    yield TRITON_SPEC
+    yield TORCH_SPEC

@@ -1,0 +1,345 @@
+"""The constraint matrix: which kernel serves which phase, and why the others cannot.
+
+Kernels state their envelopes as data (:class:`~mla_sm120_plugin.types.KernelSpec`), models
+theirs as profiles; :func:`select` intersects them with one
+:class:`~mla_sm120_plugin.types.SelectionContext` and either returns a
+:class:`~mla_sm120_plugin.types.Decision` or raises one
+:class:`~mla_sm120_plugin.errors.UnsupportedConfiguration` that names the combination, every
+reason, what can run instead, and the fix. :func:`explain` renders the same data as a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .errors import PluginError, UnsupportedConfiguration, format_error
+from .hooks.manager import Registry, get_registry
+from .kernels.layout import FP8_DS_MLA, KV_LAYOUTS, SCALE_FORMATS
+from .types import (
+    AUTO,
+    DECODE,
+    ENGINE_NATIVE_IMPLS,
+    PHASES,
+    PREFILL,
+    Decision,
+    DeviceInfo,
+    KernelSpec,
+    ModelProfile,
+    Rejection,
+    SelectionContext,
+)
+
+# Token count above which a bare-shape call (kernel="auto" on tensors) is treated as prefill.
+DECODE_TOKENS_MAX = 64
+
+_probe_cache: dict[tuple[str, str, DeviceInfo], tuple[str, ...]] = {}
+
+
+def clear_probe_cache() -> None:
+    """Forget cached probe results (after installing a package, or between tests)."""
+    _probe_cache.clear()
+
+
+def probe_reasons(spec: KernelSpec, device: DeviceInfo) -> tuple[str, ...]:
+    if spec.probe is None:
+        return ()
+    key = (spec.name, spec.entry, device)
+    if key not in _probe_cache:
+        try:
+            _probe_cache[key] = tuple(str(r) for r in spec.probe(device))
+        except Exception as exc:  # a probe that crashes means "cannot run", with the crash as reason
+            _probe_cache[key] = (f"probe failed: {type(exc).__name__}: {exc}",)
+    return _probe_cache[key]
+
+
+def _kv_dtype_fix(kv: str) -> str:
+    if kv.startswith("fp8"):
+        # vLLM canonicalises fp8 -> fp8_ds_mla only for its own backends, by name.
+        return "pass --kv-cache-dtype fp8_ds_mla (the 656-byte DSA layout); plain fp8 is not rewritten for a CUSTOM backend"
+    return f"use --kv-cache-dtype fp8_ds_mla or a bf16 cache (one of {list(KV_LAYOUTS)})"
+
+
+def envelope_reasons(
+    spec: KernelSpec, ctx: SelectionContext, phase: str, profile: ModelProfile | None
+) -> list[str]:
+    """Reasons ``spec`` cannot serve ``phase`` of ``ctx`` (empty: it can), probes excluded."""
+    dev = ctx.device
+    reasons: list[str] = []
+    if phase not in spec.phases:
+        reasons.append(f"does not implement {phase}")
+    if dev.vendor not in spec.vendors:
+        reasons.append(f"runs on {sorted(spec.vendors)}, not {dev.vendor}")
+    elif dev.vendor == "nvidia" and spec.sm_families is not None and dev.sm_family not in spec.sm_families:
+        fams = ", ".join(f"SM{f}x" for f in sorted(spec.sm_families))
+        reasons.append(f"needs {fams}, device is sm_{dev.sm_major}{dev.sm_minor}")
+    if ctx.kv_cache_dtype not in spec.kv_cache_dtypes:
+        reasons.append(f"reads kv_cache_dtype {sorted(spec.kv_cache_dtypes)}, not {ctx.kv_cache_dtype}")
+    lo, hi = spec.heads
+    if not lo <= ctx.num_heads <= hi:
+        reasons.append(f"heads per rank {ctx.num_heads} outside [{lo}, {hi}]")
+    if ctx.index_topk < spec.topk_min:
+        reasons.append(f"index_topk {ctx.index_topk} < {spec.topk_min}")
+    if ctx.index_topk % spec.topk_multiple:
+        reasons.append(f"index_topk {ctx.index_topk} not a multiple of {spec.topk_multiple}")
+    max_tokens = ctx.max_tokens_for(phase)
+    if spec.max_tokens is not None and max_tokens is not None and max_tokens > spec.max_tokens:
+        reasons.append(f"{phase} may see {max_tokens} tokens a call, kernel takes <= {spec.max_tokens}")
+    if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
+        reasons.append("not CUDA-graph safe and decode is captured in CUDA graphs (--enforce-eager allows it)")
+    if spec.envelope is not None and not reasons:
+        try:
+            reasons.extend(str(r) for r in spec.envelope(ctx, phase, profile))
+        except Exception as exc:
+            reasons.append(f"envelope check failed: {type(exc).__name__}: {exc}")
+    return reasons
+
+
+def _candidates(
+    registry: Registry, ctx: SelectionContext, phase: str, profile: ModelProfile | None
+) -> tuple[list[KernelSpec], dict[str, tuple[str, ...]], bool]:
+    """Kernels that can serve ``phase``, best first, and the reasons for every other one."""
+    viable: list[KernelSpec] = []
+    rejected: dict[str, tuple[str, ...]] = {}
+    probes_skipped = False
+    for spec in sorted(registry.kernels.values(), key=lambda s: -s.priority):
+        reasons = envelope_reasons(spec, ctx, phase, profile)
+        if not reasons:
+            if ctx.device.is_planned:
+                probes_skipped = probes_skipped or spec.probe is not None
+            else:
+                reasons = list(probe_reasons(spec, ctx.device))
+        if reasons:
+            rejected[spec.name] = tuple(reasons)
+        else:
+            viable.append(spec)
+    return viable, rejected, probes_skipped
+
+
+def _unknown_kernel(name: str, registry: Registry, ctx: SelectionContext) -> str | None:
+    if name == AUTO or name in registry.kernels:
+        return None
+    if name in ENGINE_NATIVE_IMPLS:
+        return f"{name} is another engine's impl, not a kernel of this plugin (a stale config carried over?)"
+    return f"{name} is not a registered kernel (known: {sorted(registry.kernels)})"
+
+
+def resolve_scale_format(ctx: SelectionContext, profile: ModelProfile) -> str:
+    if ctx.kv_scale_format == AUTO:
+        return profile.kv_scale_format
+    if ctx.kv_scale_format not in SCALE_FORMATS:
+        raise UnsupportedConfiguration(
+            format_error(
+                f"kv_scale_format={ctx.kv_scale_format!r}",
+                f"auto or one of {list(SCALE_FORMATS)}",
+                "fix kv_scale_format in the plugin config",
+            )
+        )
+    return ctx.kv_scale_format
+
+
+def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decision:
+    """Decide one kernel per phase for ``ctx``.
+
+    :param ctx: the combination to decide for.
+    :param registry: the plugin registry; the process-wide one by default.
+    :returns: the :class:`Decision`, with every rejected kernel and its reasons.
+    :raises UnsupportedConfiguration: the model is not a DSA model a plugin serves, a validate
+        hook refused it, a forced kernel cannot run it, or no kernel can.
+    """
+    reg = registry if registry is not None else get_registry()
+    profile = reg.by_arch.get(ctx.model_arch)
+    if profile is None:
+        archs = sorted(reg.by_arch)
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: {ctx.model_arch} is not a DeepSeek-Sparse-Attention model this plugin serves",
+                f"model_arch in {archs}",
+                "serve this model without --attention-backend CUSTOM, or install a plugin with a profile for it",
+            )
+        )
+    refusals = [str(r) for result in reg.pm.hook.mla_sm120_validate(ctx=ctx) for r in (result or ())]
+    if refusals:
+        raise UnsupportedConfiguration(
+            format_error(f"{ctx.describe()}: refused by a plugin: {'; '.join(refusals)}", "what that plugin allows", "see its reasons")
+        )
+    scale_format = resolve_scale_format(ctx, profile)
+    ctx = dataclasses.replace(ctx, kv_scale_format=scale_format)
+
+    chosen: dict[str, str] = {}
+    entries: dict[str, str] = {}
+    rejections: list[Rejection] = []
+    problems: list[str] = []
+    skipped = False
+    for phase in PHASES:
+        viable, rejected, phase_skipped = _candidates(reg, ctx, phase, profile)
+        skipped = skipped or phase_skipped
+        names = [s.name for s in viable]
+        forced = ctx.kernel_for(phase)
+        if forced != AUTO:
+            why = _unknown_kernel(forced, reg, ctx) or (
+                "; ".join(rejected[forced]) if forced in rejected else None
+            )
+            if why is not None:
+                problems.append(f"{phase} kernel {forced} ({ctx.forced_by}) cannot run: {why}; {phase} can run: {names or 'nothing'}")
+                continue
+            pick = forced
+        elif not names:
+            detail = "; ".join(f"{k}: {', '.join(v)}" for k, v in rejected.items())
+            problems.append(f"no kernel can run {phase} ({detail})")
+            continue
+        else:
+            override = reg.pm.hook.mla_sm120_select(ctx=ctx, phase=phase, candidates=tuple(names))
+            if override is not None and override not in names:
+                raise PluginError(
+                    format_error(
+                        f"mla_sm120_select returned {override!r} for {phase}",
+                        f"one of the candidates {names}",
+                        "fix the plugin that implements mla_sm120_select",
+                    )
+                )
+            pick = override or names[0]
+        chosen[phase] = pick
+        entries[phase] = reg.kernels[pick].entry
+        for name, reasons in rejected.items():
+            rejections.append(Rejection(name, phase, reasons))
+        for name in names:
+            if name != pick:
+                why = "not the forced kernel" if forced != AUTO else f"lower priority than {pick}"
+                rejections.append(Rejection(name, phase, (why,)))
+    if problems:
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: " + "; ".join(problems),
+                _supported_summary(reg, profile),
+                _fix_for(ctx),
+            )
+        )
+    notes: tuple[str, ...] = ()
+    if skipped:
+        notes = (
+            f"device {ctx.device.describe()} is planned ({ctx.device.source}), not present: kernel probes "
+            "(installed packages, GPU, JIT compiler) were not run; run `mla-sm120 doctor` on that machine",
+        )
+    return Decision(
+        context=ctx,
+        profile=profile,
+        kernels=chosen,
+        entries=entries,
+        scale_format=scale_format,
+        rejections=tuple(rejections),
+        notes=notes,
+    )
+
+
+def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
+    parts = []
+    for spec in sorted(reg.kernels.values(), key=lambda s: -s.priority):
+        dev = "/".join(sorted(spec.vendors))
+        if spec.sm_families is not None:
+            dev += " SM" + "/".join(f"{f}x" for f in sorted(spec.sm_families))
+        parts.append(f"{spec.name} ({dev}, kv {'/'.join(sorted(spec.kv_cache_dtypes))}, heads {spec.heads[0]}-{spec.heads[1]})")
+    return f"for {profile.name}: " + ", ".join(parts)
+
+
+def _fix_for(ctx: SelectionContext) -> str:
+    fixes = []
+    if ctx.prefill_kernel != AUTO or ctx.decode_kernel != AUTO:
+        fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one the message lists as able to run")
+    if ctx.kv_cache_dtype not in KV_LAYOUTS:
+        fixes.append(_kv_dtype_fix(ctx.kv_cache_dtype))
+    elif ctx.kv_cache_dtype != FP8_DS_MLA:
+        fixes.append("use --kv-cache-dtype fp8_ds_mla for the native SM12x kernel")
+    fixes.append("install what a probe reports missing (pip install 'mla-sm120-plugin[flashinfer,triton]')")
+    return "; ".join(fixes)
+
+
+def choose_kernel_for_shape(
+    *, kv_layout: str, num_heads: int, topk: int, num_tokens: int, device_type: str
+) -> str:
+    """Pick a kernel for bare tensors (``sparse_mla_forward(kernel="auto")``).
+
+    Uses the same specs and probes as :func:`select`, without a model profile.
+
+    :param kv_layout: ``"fp8_ds_mla"`` or ``"bf16"``.
+    :param num_heads: heads of q.
+    :param topk: width of the index tensor.
+    :param num_tokens: rows of q.
+    :param device_type: ``torch.device.type`` of the tensors (``"cuda"``, ``"cpu"``).
+    :returns: a kernel name.
+    :raises UnsupportedConfiguration: no registered kernel can run this shape here.
+    """
+    from . import device as device_mod
+
+    dev = device_mod.device_for_tensor_type(device_type)
+    phase = DECODE if num_tokens <= DECODE_TOKENS_MAX else PREFILL
+    ctx = SelectionContext(
+        model_arch="<tensors>",
+        kv_cache_dtype=kv_layout,
+        num_heads=num_heads,
+        index_topk=topk,
+        device=dev,
+        max_decode_tokens=num_tokens,
+        max_prefill_tokens=num_tokens,
+        forced_by="kernel='auto'",
+    )
+    viable, rejected, _ = _candidates(get_registry(), ctx, phase, None)
+    if not viable:
+        detail = "; ".join(f"{k}: {', '.join(v)}" for k, v in rejected.items())
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: no kernel can run {phase} ({detail})",
+                "see each kernel's reasons",
+                "pass kernel= explicitly, or install what a probe reports missing",
+            )
+        )
+    return viable[0].name
+
+
+def decision_to_dict(decision: Decision) -> dict[str, Any]:
+    """A JSON-ready view of a decision (``mla-sm120 check --json``)."""
+    ctx = decision.context
+    return {
+        "servable": True,
+        "model_arch": ctx.model_arch,
+        "model_name": ctx.model_name,
+        "profile": decision.profile.name,
+        "device": {"sm": ctx.device.sm, "vendor": ctx.device.vendor, "name": ctx.device.name, "source": ctx.device.source},
+        "kv_cache_dtype": ctx.kv_cache_dtype,
+        "scale_format": decision.scale_format,
+        "heads_per_rank": ctx.num_heads,
+        "index_topk": ctx.index_topk,
+        "kernels": dict(decision.kernels),
+        "rejected": [
+            {"kernel": r.kernel, "phase": r.phase, "reasons": list(r.reasons)} for r in decision.rejections
+        ],
+        "notes": list(decision.notes),
+    }
+
+
+def explain(decision: Decision) -> str:
+    """The decision as a plain-text table: chosen kernel per phase, then each rejection."""
+    ctx = decision.context
+    lines = [
+        f"model      {ctx.model_name or decision.profile.name} ({ctx.model_arch}, profile {decision.profile.name})",
+        f"device     {ctx.device.describe()} [{ctx.device.source}]",
+        f"kv cache   {ctx.kv_cache_dtype} (scales: {decision.scale_format})",
+        f"shape      {ctx.num_heads} heads per rank, index_topk {ctx.index_topk}",
+        "",
+        f"{'phase':<8} {'kernel':<24} status",
+    ]
+    by_phase: dict[str, list[Rejection]] = {p: [] for p in PHASES}
+    for r in decision.rejections:
+        by_phase[r.phase].append(r)
+    for phase in PHASES:
+        lines.append(f"{phase:<8} {decision.kernels[phase]:<24} SELECTED")
+        for r in by_phase[phase]:
+            lines.append(f"{'':<8} {r.kernel:<24} rejected: {'; '.join(r.reasons)}")
+    lines.extend(f"note: {n}" for n in decision.notes)
+    return "\n".join(lines)
+
+
+def dumps(decision: Decision) -> str:
+    return json.dumps(decision_to_dict(decision), indent=2)
+

@@ -1,0 +1,358 @@
+"""Frozen dataclasses passed between the plugin's parts.
+
+Plugin-provided objects (:class:`ModelProfile` from ``mla_sm120_model_profiles``,
+:class:`KernelSpec` from ``mla_sm120_kernels``) validate and normalise themselves in
+``__post_init__``, so a broken third-party plugin fails where it is loaded, with its
+own name in the message, not deep inside the selection.
+
+Pure Python: importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from .errors import PluginError, format_error
+from .kernels.layout import KV_LAYOUTS, SCALE_FORMATS
+
+PREFILL = "prefill"
+DECODE = "decode"
+PHASES = (PREFILL, DECODE)
+AUTO = "auto"
+
+# Impl names other engines use (SGLang's --attention-backend choices, vLLM's backend names).
+# A stale per-model config often carries one over; naming one is not a typo, so it gets the
+# "cannot run here, these can" error rather than "unknown name".
+ENGINE_NATIVE_IMPLS = (
+    "flashmla_sparse",
+    "flashmla_kv",
+    "flashmla_auto",
+    "fa3",
+    "tilelang",
+    "aiter",
+    "trtllm",
+    "flashinfer_mla_sparse",
+    "flashinfer_mla_sparse_sm120",
+)
+
+VENDORS = ("nvidia", "amd", "cpu")
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_.\-]*$")
+
+
+def _frozenset_of_str(value: object, what: str, owner: str) -> frozenset[str]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise PluginError(
+            format_error(
+                f"{owner}.{what}={value!r}",
+                "an iterable of strings (a set, tuple or list)",
+                f"pass {what}=({value!r},) rather than a bare value",
+            )
+        )
+    items = frozenset(value)
+    bad = sorted(repr(v) for v in items if not isinstance(v, str))
+    if bad:
+        raise PluginError(
+            format_error(f"{owner}.{what} contains {', '.join(bad)}", "strings only", f"fix {what}")
+        )
+    return items
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The GPU (or CPU) a decision is made for.
+
+    :param vendor: ``"nvidia"``, ``"amd"`` or ``"cpu"``.
+    :param sm_major: CUDA compute capability major (12 for SM120 and SM121); None off NVIDIA.
+    :param sm_minor: compute capability minor.
+    :param cuda_version: the CUDA toolkit/runtime version string where known.
+    :param name: a human name (``"NVIDIA GeForce RTX 5090"``, ``"planned sm_121"``).
+    :param source: where this came from: ``"detected"``, ``"MLA_SM120_DEVICE"``, ``"--sm"``,
+        ``"vllm"``. Anything but ``"detected"``/``"vllm"`` is a *planned* device: hardware probes
+        are not run for it, because this machine is not the one being planned for.
+    """
+
+    vendor: str
+    sm_major: int | None = None
+    sm_minor: int | None = None
+    cuda_version: str | None = None
+    name: str = ""
+    source: str = "detected"
+
+    def __post_init__(self) -> None:
+        if self.vendor not in VENDORS:
+            raise ValueError(
+                format_error(f"vendor={self.vendor!r}", f"one of {VENDORS}", "pick a listed vendor")
+            )
+        if self.vendor == "nvidia" and (self.sm_major is None or self.sm_minor is None):
+            raise ValueError(
+                format_error(
+                    "an NVIDIA device without sm_major/sm_minor",
+                    "both set (e.g. 12, 0)",
+                    "pass the compute capability",
+                )
+            )
+
+    @property
+    def sm_family(self) -> int | None:
+        """The SM family: the major version, so SM121 counts as part of SM12x."""
+        return self.sm_major if self.vendor == "nvidia" else None
+
+    @property
+    def sm(self) -> str:
+        """``"12.0"``-style capability, or the vendor name off NVIDIA."""
+        if self.vendor != "nvidia":
+            return "rocm" if self.vendor == "amd" else "cpu"
+        return f"{self.sm_major}.{self.sm_minor}"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vendor in ("nvidia", "amd")
+
+    @property
+    def is_planned(self) -> bool:
+        """True when this device was named by the user rather than found on this machine."""
+        return self.source not in ("detected", "vllm")
+
+    def describe(self) -> str:
+        label = f"sm_{self.sm_major}{self.sm_minor}" if self.vendor == "nvidia" else self.sm
+        name = f" {self.name}" if self.name else ""
+        return f"{label}{name}"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What a DeepSeek-Sparse-Attention model needs; yielded by ``mla_sm120_model_profiles``.
+
+    :param name: short name the CLI accepts (``"glm-5"``); lower case.
+    :param architectures: HF ``architectures[0]`` values served by this profile, the base model
+        first, MTP/NextN variants after it.
+    :param model_type: HF ``model_type``.
+    :param num_heads: attention heads before tensor parallelism.
+    :param kv_lora_rank: latent width (512 for every known DSA model).
+    :param qk_rope_head_dim: RoPE width (64).
+    :param index_topk: the indexer's top-k.
+    :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
+    :param aliases: other names the CLI accepts (HF repo ids).
+    :param flashinfer_family: FlashInfer's name for this model family's kernels, where it has one.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    num_heads: int
+    index_topk: int
+    kv_scale_format: str
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    aliases: tuple[str, ...] = ()
+    flashinfer_family: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = f"ModelProfile({self.name!r})"
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise PluginError(
+                format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the profile")
+            )
+        _frozenset_of_str(self.architectures, "architectures", owner)  # type check only
+        # Keep the given order (the first is the base model), dropping repeats.
+        object.__setattr__(self, "architectures", tuple(dict.fromkeys(self.architectures)))
+        if not self.architectures:
+            raise PluginError(format_error(f"{owner}.architectures empty", "at least one HF architecture", "list them"))
+        object.__setattr__(self, "aliases", tuple(_frozenset_of_str(self.aliases, "aliases", owner)))
+        for attr in ("num_heads", "index_topk", "kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PluginError(format_error(f"{owner}.{attr}={value!r}", "a positive int", f"fix {attr}"))
+        if self.kv_scale_format not in SCALE_FORMATS:
+            raise PluginError(
+                format_error(f"{owner}.kv_scale_format={self.kv_scale_format!r}", f"one of {SCALE_FORMATS}", "fix it")
+            )
+
+
+Probe = Callable[[DeviceInfo], Iterable[str]]
+"""A kernel's probe: reasons it cannot run on this device (empty: it can)."""
+
+Envelope = Callable[["SelectionContext", str, "ModelProfile | None"], Iterable[str]]
+"""A kernel's dynamic envelope check for one phase: reasons the shape is outside it.
+
+Called with the context (``kv_scale_format`` already resolved), the phase and the matched
+model profile (None when deciding for a bare tensor shape)."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a sparse-MLA kernel covers; yielded by ``mla_sm120_kernels``.
+
+    The static fields are the envelope the selection checks as data; ``envelope`` adds checks
+    that need the kernel's own package (FlashInfer's table of calibrated shapes), ``probe`` says
+    whether this machine can run it at all.
+
+    :param name: unique kernel name (``"triton_sparse_mla"``), as users write it in config.
+    :param phases: subset of ``{"prefill", "decode"}``.
+    :param kv_cache_dtypes: KV layouts it reads (``"fp8_ds_mla"``, ``"bf16"``).
+    :param vendors: device vendors it runs on (``"nvidia"``, ``"amd"``, ``"cpu"``).
+    :param sm_families: NVIDIA SM majors it runs on; None for any.
+    :param heads: inclusive (min, max) heads per rank.
+    :param topk_min: smallest index top-k.
+    :param topk_multiple: top-k must be a multiple of this.
+    :param max_tokens: most query tokens one call takes; None for any.
+    :param priority: higher wins under ``auto``.
+    :param entry: ``"module:function"`` with the signature of
+        :func:`mla_sm120_plugin.kernels.sparse_mla_forward` minus ``kernel``; imported only when bound.
+    :param probe: reasons it cannot run on a device; run once per device and cached.
+    :param envelope: extra per-phase shape checks.
+    :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
+    :param description: one line for tables.
+    """
+
+    name: str
+    phases: frozenset[str]
+    kv_cache_dtypes: frozenset[str]
+    vendors: frozenset[str]
+    entry: str
+    priority: int
+    sm_families: frozenset[int] | None = None
+    heads: tuple[int, int] = (1, 128)
+    topk_min: int = 1
+    topk_multiple: int = 1
+    max_tokens: int | None = None
+    probe: Probe | None = field(default=None, compare=False)
+    envelope: Envelope | None = field(default=None, compare=False)
+    graph_safe: bool = True
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        owner = f"KernelSpec({self.name!r})"
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise PluginError(
+                format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the kernel")
+            )
+        for attr, allowed in (("phases", PHASES), ("kv_cache_dtypes", KV_LAYOUTS), ("vendors", VENDORS)):
+            items = _frozenset_of_str(getattr(self, attr), attr, owner)
+            unknown = sorted(items - set(allowed))
+            if unknown or not items:
+                raise PluginError(
+                    format_error(f"{owner}.{attr}={sorted(items)}", f"a non-empty subset of {list(allowed)}", f"fix {attr}")
+                )
+            object.__setattr__(self, attr, items)
+        if self.sm_families is not None:
+            fams = frozenset(self.sm_families)
+            if not all(isinstance(f, int) and f > 0 for f in fams):
+                raise PluginError(format_error(f"{owner}.sm_families={self.sm_families!r}", "positive ints or None", "fix it"))
+            object.__setattr__(self, "sm_families", fams)
+        lo, hi = self.heads
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise PluginError(format_error(f"{owner}.heads={self.heads!r}", "(min, max) with 1 <= min <= max", "fix heads"))
+        for attr in ("topk_min", "topk_multiple", "priority"):
+            if not isinstance(getattr(self, attr), int):
+                raise PluginError(format_error(f"{owner}.{attr}={getattr(self, attr)!r}", "an int", f"fix {attr}"))
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise PluginError(format_error(f"{owner}.max_tokens={self.max_tokens!r}", "a positive int or None", "fix it"))
+        if not isinstance(self.entry, str) or self.entry.count(":") != 1:
+            raise PluginError(format_error(f"{owner}.entry={self.entry!r}", "'package.module:function'", "fix entry"))
+        for attr in ("probe", "envelope"):
+            if getattr(self, attr) is not None and not callable(getattr(self, attr)):
+                raise PluginError(format_error(f"{owner}.{attr}={getattr(self, attr)!r}", "a callable or None", "fix it"))
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """Everything the constraint matrix decides on, for one model on one device.
+
+    :param model_arch: HF ``architectures[0]``.
+    :param model_name: the served model's name or path (matched by per-model config).
+    :param kv_cache_dtype: ``"fp8_ds_mla"``, ``"bf16"``, or what the engine was given.
+    :param num_heads: attention heads per rank (after tensor parallelism).
+    :param index_topk: the indexer's top-k.
+    :param device: the device decided for.
+    :param prefill_kernel: ``"auto"`` or a forced kernel name.
+    :param decode_kernel: ``"auto"`` or a forced kernel name.
+    :param kv_scale_format: ``"auto"``, ``"pow2"`` or ``"arbitrary"``.
+    :param max_decode_tokens: most query tokens one decode call may see (batch x speculative).
+    :param max_prefill_tokens: most query tokens one prefill call may see.
+    :param cuda_graphs: the engine captures decode in CUDA graphs.
+    :param forced_by: where a forced kernel came from, for messages (``"--decode-kernel"``).
+    """
+
+    model_arch: str
+    kv_cache_dtype: str
+    num_heads: int
+    index_topk: int
+    device: DeviceInfo
+    model_name: str | None = None
+    prefill_kernel: str = "auto"
+    decode_kernel: str = "auto"
+    kv_scale_format: str = "auto"
+    max_decode_tokens: int | None = None
+    max_prefill_tokens: int | None = None
+    cuda_graphs: bool = False
+    forced_by: str = "config"
+
+    def kernel_for(self, phase: str) -> str:
+        return self.prefill_kernel if phase == PREFILL else self.decode_kernel
+
+    def max_tokens_for(self, phase: str) -> int | None:
+        return self.max_prefill_tokens if phase == PREFILL else self.max_decode_tokens
+
+    def describe(self) -> str:
+        """The combination, as every selection error names it."""
+        return (
+            f"model_arch={self.model_arch}, sm={self.device.sm}, kv_cache_dtype={self.kv_cache_dtype}, "
+            f"heads_per_rank={self.num_heads}, index_topk={self.index_topk}, "
+            f"prefill_impl={self.prefill_kernel}, decode_impl={self.decode_kernel}"
+        )
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A kernel not chosen for a phase, and every reason why."""
+
+    kernel: str
+    phase: str
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of :func:`mla_sm120_plugin.selection.select`: one kernel per phase.
+
+    :param context: what was decided for.
+    :param profile: the model profile that matched ``context.model_arch``.
+    :param kernels: phase -> kernel name.
+    :param entries: phase -> the kernel's ``"module:function"`` entry.
+    :param scale_format: the resolved fp8 scale format.
+    :param rejections: every kernel not chosen, per phase, with its reasons.
+    :param notes: things worth a log line that are not rejections (skipped probes).
+    """
+
+    context: SelectionContext
+    profile: ModelProfile
+    kernels: Mapping[str, str]
+    entries: Mapping[str, str]
+    scale_format: str
+    rejections: tuple[Rejection, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def prefill(self) -> str:
+        return self.kernels[PREFILL]
+
+    @property
+    def decode(self) -> str:
+        return self.kernels[DECODE]
+
+    def log_line(self) -> str:
+        """The one line the engine logs at init: what runs, and why not the others."""
+        ctx = self.context
+        rejected = "; ".join(
+            f"{r.kernel}/{r.phase}: {', '.join(r.reasons)}" for r in self.rejections
+        ) or "none"
+        return (
+            f"mla_sm120: model={ctx.model_name or ctx.model_arch} ({ctx.model_arch}) "
+            f"device={ctx.device.describe()} kv_cache_dtype={ctx.kv_cache_dtype} "
+            f"scale_format={self.scale_format} heads_per_rank={ctx.num_heads} index_topk={ctx.index_topk} "
+            f"prefill={self.prefill} decode={self.decode}; rejected: {rejected}"
+        )
