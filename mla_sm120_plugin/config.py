@@ -172,6 +172,8 @@ def _read_toml(path: str, named_by: str) -> Any:
         raise ConfigError(format_error(f"{named_by}={path!r}: no such file", "a readable TOML file", "fix the path")) from None
     except OSError as exc:
         raise ConfigError(format_error(f"{named_by}={path!r}: {exc}", "a readable TOML file", "fix the path or permissions")) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(format_error(f"{path}: not UTF-8: {exc}", "a UTF-8 TOML file", "re-save the file as UTF-8")) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(format_error(f"{path}: invalid TOML: {exc}", "TOML 1.0", "fix the syntax at the position given")) from None
 

@@ -18,9 +18,9 @@ from .types import DeviceInfo
 
 DEVICE_ENV = "MLA_SM120_DEVICE"
 
-_SM_RE = re.compile(r"^(?:sm_?)?(\d{1,2})(?:\.(\d))?$|^(?:sm_?)(\d{1,2})(\d)a?$", re.IGNORECASE)
-
-# SM majors whose minor digit is part of the name: sm_120 -> 12.0, sm_121 -> 12.1, sm_90 -> 9.0.
+# "sm_121"/"sm121a": the last digit is the minor (sm_90 -> 9.0); "12.1"/"12": major[.minor].
+_SM_NAME_RE = re.compile(r"^sm_?(\d{1,2})(\d)a?$")
+_SM_NUMBER_RE = re.compile(r"^(\d{1,2})(?:\.(\d))?$")
 _ACCEPTED = "sm_120, sm_121, sm120, 12.0, 12.1, sm_90, 9.0, cpu or rocm"
 
 
@@ -36,15 +36,12 @@ def parse_device(text: str, *, source: str) -> DeviceInfo:
         return DeviceInfo("cpu", name="planned", source=source)
     if value in ("rocm", "amd", "hip"):
         return DeviceInfo("amd", name="planned", source=source)
-    m = _SM_RE.match(value)
+    m = _SM_NAME_RE.match(value) or _SM_NUMBER_RE.match(value)
     if m is None:
         raise ConfigError(
             format_error(f"{source}={text!r}", _ACCEPTED, f"set {source} to one of those spellings")
         )
-    if m.group(1) is not None:
-        major, minor = int(m.group(1)), int(m.group(2) or 0)
-    else:
-        major, minor = int(m.group(3)), int(m.group(4))
+    major, minor = int(m.group(1)), int(m.group(2) or 0)
     if not 1 <= major <= 20:
         raise ConfigError(format_error(f"{source}={text!r} (SM major {major})", _ACCEPTED, f"fix {source}"))
     return DeviceInfo("nvidia", major, minor, name="planned", source=source)

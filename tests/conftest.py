@@ -1,0 +1,39 @@
+"""Shared fixtures: a fresh plugin registry and probe cache around every test."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    from mla_sm120_plugin.hooks.manager import reset_registry
+    from mla_sm120_plugin.selection import clear_probe_cache
+
+    reset_registry()
+    clear_probe_cache()
+    yield
+    reset_registry()
+    clear_probe_cache()
+
+
+@pytest.fixture(scope="session")
+def demo_plugin_path(tmp_path_factory) -> Path:
+    """The demo third-party plugin, pip-installed into its own target dir as a user would."""
+    target = tmp_path_factory.mktemp("demo_site")
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+            "--target", str(target), str(FIXTURES / "demo_plugin"),
+        ],
+        check=True,
+    )
+    return target
+

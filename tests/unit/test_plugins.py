@@ -1,0 +1,142 @@
+"""The plugin manager: built-ins and a pip-installed third-party plugin, loaded alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mla_sm120_plugin.errors import PluginError
+from mla_sm120_plugin.hooks import hookimpl
+from mla_sm120_plugin.hooks.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
+from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
+from mla_sm120_plugin.types import KernelSpec, ModelProfile
+
+from helpers import run_cli
+
+BROKEN = ("demo_broken_import", "demo_wrong_type", "demo_duplicate")
+
+
+def _block_except(keep: str | None = None) -> dict[str, str]:
+    return {DISABLE_ENV: ",".join(n for n in BROKEN if n != keep)}
+
+
+def test_builtins_register_through_the_hooks():
+    reg = build_registry(load_entry_points=False)
+    assert list(reg.kernels) == list(BUILTIN_KERNELS)
+    assert {"glm-5", "deepseek-v3.2"} <= set(reg.profiles)
+    for arch in ("GlmMoeDsaForCausalLM", "GlmMoeDsaForCausalLMNextN", "DeepseekV32ForCausalLM"):
+        assert arch in reg.by_arch
+    assert set(BUILTIN_PLUGINS) <= set(reg.plugins)
+    assert reg.profiles["glm-5"].kv_scale_format == "arbitrary"
+    assert reg.profiles["deepseek-v3.2"].kv_scale_format == "pow2"
+
+
+def test_builtin_plugin_can_be_blocked(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "mla_sm120.kernels")
+    reg = build_registry(load_entry_points=False)
+    assert reg.kernels == {}
+    assert reg.blocked == ("mla_sm120.kernels",)
+
+
+class _WrongType:
+    @hookimpl
+    def mla_sm120_model_profiles(self):
+        return ["not a profile"]
+
+
+class _Raises:
+    @hookimpl
+    def mla_sm120_kernels(self):
+        raise RuntimeError("boom")
+
+
+class _Dup:
+    @hookimpl
+    def mla_sm120_model_profiles(self):
+        yield ModelProfile(
+            name="glm-again", architectures=("GlmMoeDsaForCausalLM",), model_type="x",
+            num_heads=8, index_topk=64, kv_scale_format="pow2",
+        )
+
+
+@pytest.mark.parametrize(
+    "plugin, needles",
+    [
+        (_WrongType(), ["wrongtype", "mla_sm120_model_profiles", "returned str", "ModelProfile"]),
+        (_Raises(), ["raises", "mla_sm120_kernels", "RuntimeError: boom"]),
+        (_Dup(), ["GlmMoeDsaForCausalLM", "registered twice", "builtin (mla_sm120_plugin.hooks.builtin)", "dup"]),
+    ],
+)
+def test_broken_plugins_give_one_named_error(plugin, needles):
+    name = type(plugin).__name__.strip("_").lower()
+    with pytest.raises(PluginError) as err:
+        build_registry(load_entry_points=False, extra_plugins={name: plugin})
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_plugin_objects_validate_themselves():
+    with pytest.raises(PluginError, match="kv_cache_dtypes"):
+        KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"fp8"}, vendors={"nvidia"}, priority=1, entry="a:b")
+    with pytest.raises(PluginError, match="phases"):
+        KernelSpec(name="k", phases="decode", kv_cache_dtypes={"bf16"}, vendors={"nvidia"}, priority=1, entry="a:b")
+    with pytest.raises(PluginError, match="entry"):
+        KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"bf16"}, vendors={"nvidia"}, priority=1, entry="a.b")
+    with pytest.raises(PluginError, match="kv_scale_format"):
+        ModelProfile(name="m", architectures=("A",), model_type="m", num_heads=1, index_topk=1, kv_scale_format="e8m0")
+
+
+# --- a third-party distribution, pip-installed into its own directory -----------------
+
+
+def test_third_party_kernel_is_selected_where_its_envelope_fits(demo_plugin_path):
+    # TP16 puts 4 GLM-5 heads on each GPU: the demo kernel's only shape, so it wins decode.
+    res = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--json",
+                  env=_block_except(), pythonpath=demo_plugin_path)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["kernels"]["decode"] == "demo_sparse_mla"
+    assert data["kernels"]["prefill"] != "demo_sparse_mla"  # decode-only kernel
+    # TP1: 64 heads, outside its envelope; it is rejected with the reason.
+    res = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--json", env=_block_except(), pythonpath=demo_plugin_path)
+    data = json.loads(res.stdout)
+    assert data["kernels"]["decode"] != "demo_sparse_mla"
+    reasons = [r["reasons"] for r in data["rejected"] if r["kernel"] == "demo_sparse_mla" and r["phase"] == "decode"]
+    assert reasons == [["heads per rank 64 outside [4, 4]"]]
+
+
+def test_third_party_profile_is_served(demo_plugin_path):
+    res = run_cli("check", "--model", "demo-dsa", "--sm", "12.1", "--json", env=_block_except(), pythonpath=demo_plugin_path)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["model_arch"] == "DemoDsaForCausalLM"
+    assert data["index_topk"] == 512 and data["scale_format"] == "pow2"
+
+
+def test_doctor_lists_the_third_party_plugin(demo_plugin_path):
+    res = run_cli("doctor", "--json", env=_block_except(), pythonpath=demo_plugin_path)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert "mla-sm120-demo 0.1.0" in data["plugins"]["demo"]
+    kernels = {k["name"]: k for k in data["kernels"]}
+    assert "mla-sm120-demo" in kernels["demo_sparse_mla"]["provider"]
+    assert "demo-dsa" in [p["name"] for p in data["model_profiles"]]
+    assert sorted(data["blocked_plugins"]) == sorted(BROKEN)
+
+
+@pytest.mark.parametrize(
+    "broken, needles",
+    [
+        ("demo_broken_import", ["mla-sm120-demo 0.1.0", "demo_broken_import", "failed to import", "ModuleNotFoundError"]),
+        ("demo_wrong_type", ["mla-sm120-demo 0.1.0", "mla_sm120_kernels", "returned dict", "KernelSpec"]),
+        ("demo_duplicate", ["triton_sparse_mla", "registered twice", "builtin", "mla-sm120-demo 0.1.0"]),
+    ],
+)
+def test_broken_third_party_plugin_yields_named_error(demo_plugin_path, broken, needles):
+    res = run_cli("check", "--model", "glm-5", "--sm", "12.0", env=_block_except(broken), pythonpath=demo_plugin_path)
+    assert res.returncode == 2
+    assert "PluginError" in res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
