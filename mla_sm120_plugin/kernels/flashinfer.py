@@ -1,0 +1,646 @@
+"""FlashInfer's native SM120/SM121 sparse MLA, bound to the plugin's kernel contract.
+
+What the native kernel covers (read from the installed ``flashinfer-python`` 0.7.2.post1):
+
+- GPUs: SM12x only (RTX 5090 / RTX PRO 6000 = sm_120, DGX Spark GB10 = sm_121). FlashInfer wants
+  torch built for CUDA >= 12.8 (sm_120a) / >= 12.9 (sm_121a), and the kernels are JIT-compiled by
+  nvcc on first use unless ``flashinfer-jit-cache`` ships them (``flashinfer-cubin`` does not:
+  it carries trtllm-gen cubins, not this module).
+- Cache: ``fp8_ds_mla`` only (656-byte rows, see :mod:`.layout`), as ``uint8``; a ``bf16``
+  cache has no SM120 sparse kernel. Pow2 scales run FlashInfer's ``dsv3_2`` family
+  (``kv_scale_format="pow2_fp32"``), arbitrary fp32 scales its ``glm_nsa`` family
+  (``"arbitrary_fp32"``); both are the same 576-wide kernel with a different dequantisation.
+- Shapes: calls of up to 64 query tokens go to the split-K decode kernel: any head count 1..128,
+  any ``topk >= 1``, page-strided caches allowed. Longer calls go to the prefill kernels, which
+  need ``topk % 64 == 0``, a head count in {8, 16, 32, 64, 128} and back-to-back pages.
+  :func:`envelope_reasons` says which shapes fall outside, at init, without a GPU.
+- Numerics: Q and the softmax probabilities P are quantised to fp8 (e4m3) inside the kernel, with
+  fp32 accumulation; upstream tests compare against a reference at ``atol = rtol = 5e-3``. The
+  native LSE is base 2 (``lse_scale`` rescales it); this binding returns base e unless asked.
+- Sinks are native (``attn_sink``). FlashInfer folds the sink into the LSE it reports; this
+  binding returns the sink-free LSE of the plugin contract (``out *= 1 / (1 + exp(sink - lse))``).
+
+Everything heavy (torch, flashinfer) is imported inside functions: the selection code imports this
+module for :func:`envelope_reasons` and :func:`probe` and must stay cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import KernelInputError, KernelUnavailable, format_error
+from . import layout
+
+if TYPE_CHECKING:
+    import torch
+
+PIP_PACKAGE = "flashinfer-python"
+MIN_VERSION = "0.7.2.post1"
+
+# The FlashInfer names this binding depends on; probe() names whichever is missing.
+REQUIRED_API = ("SparseMLASm120Wrapper", "supported_sparse_mla_sm120_configs")
+REQUIRED_RUN_PARAMS = ("topk_length", "attn_sink", "out_lse", "return_lse", "lse_scale")
+
+
+class NativeFormat(NamedTuple):
+    """How FlashInfer names one of our fp8 scale formats."""
+
+    family: str  # key of flashinfer.mla.supported_sparse_mla_sm120_configs()
+    kv_scale_format: str  # SparseMLASm120Wrapper(kv_scale_format=...)
+
+
+# Our scale format -> FlashInfer's family and kv_scale_format (0.7.2.post1 accepts
+# "auto", "pow2_fp32", "arbitrary_fp32", "ue8m0_g32"; at d_qk=576 the first two select DSv3.2,
+# "arbitrary_fp32" selects GLM_NSA).
+NATIVE_FORMATS: dict[str, NativeFormat] = {
+    layout.SCALE_POW2: NativeFormat(family="dsv3_2", kv_scale_format="pow2_fp32"),
+    layout.SCALE_ARBITRARY: NativeFormat(family="glm_nsa", kv_scale_format="arbitrary_fp32"),
+}
+FAMILY_SCALE_FORMATS: dict[str, str] = {fmt.family: name for name, fmt in NATIVE_FORMATS.items()}
+
+# The prefill side of the envelope is not in supported_sparse_mla_sm120_configs() (that table
+# describes decode only) and is only queryable through the compiled module, so it is mirrored here
+# from data/include/flashinfer/attention/sparse_mla_sm120/execution/attention_plan.h
+# (visit_prefill_heads, inline-scale families: SG 8/16, MG 32/64/128, swapAB 64/128) and
+# data/csrc/sparse_mla_sm120/attention_resolve.cu (topk % 64, dense indices, contiguous pages).
+PREFILL_HEADS = frozenset({8, 16, 32, 64, 128})
+PREFILL_TOPK_TILE = 64
+
+LSE_BASES = ("e", "2")
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+_INSTALL_FIX = f"pip install '{PIP_PACKAGE}>={MIN_VERSION}' (or mla-sm120-plugin[flashinfer])"
+
+
+# --------------------------------------------------------------------------- probe
+
+
+@functools.cache
+def probe() -> tuple[str, ...]:
+    """Why the native kernel cannot run on this machine; empty when it can.
+
+    Cached for the process (it runs ``nvcc --version`` at most once); :func:`clear_caches`
+    resets it. Looks at the current CUDA device.
+    """
+    if importlib.util.find_spec("flashinfer") is None:
+        return (f"flashinfer is not installed ({_INSTALL_FIX})",)
+    api = _api_reasons()
+    if api:
+        return api
+    reasons: list[str] = []
+    sm = _gpu_reasons(reasons)
+    if not _module_prebuilt(sm):
+        reasons.extend(_toolchain_reasons(sm))
+    return tuple(reasons)
+
+
+def _api_reasons() -> tuple[str, ...]:
+    try:
+        import flashinfer
+        import flashinfer.mla as fi_mla
+    except Exception as error:  # a broken install raises anything at import
+        return (f"flashinfer fails to import ({type(error).__name__}: {error}); reinstall: {_INSTALL_FIX}",)
+    version = getattr(flashinfer, "__version__", "unknown")
+    for name in REQUIRED_API:
+        try:
+            getattr(fi_mla, name)
+        except Exception:
+            return (
+                f"flashinfer {version} is too old: flashinfer.mla.{name} is missing "
+                f"(needs >= {MIN_VERSION}); {_INSTALL_FIX}",
+            )
+    import inspect
+
+    params = inspect.signature(fi_mla.SparseMLASm120Wrapper.run).parameters
+    missing = [p for p in REQUIRED_RUN_PARAMS if p not in params]
+    if missing:
+        return (
+            f"flashinfer {version}: SparseMLASm120Wrapper.run lacks {', '.join(missing)} "
+            f"(needs >= {MIN_VERSION}); {_INSTALL_FIX}",
+        )
+    return ()
+
+
+def _gpu_reasons(reasons: list[str]) -> tuple[int, int] | None:
+    """Append GPU problems to ``reasons``; return the current device's (major, minor) if SM12x."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"torch built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only torch build"
+        reasons.append(f"no CUDA GPU is visible (torch.cuda.is_available() is False, {built})")
+        return None
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if major != 12:
+        reasons.append(
+            f"GPU cuda:{index} ({name}) is sm_{major}{minor}; FlashInfer's sparse MLA SM120 kernels "
+            "run only on SM12x (sm_120 RTX 50xx / RTX PRO 6000, sm_121 DGX Spark)"
+        )
+        return None
+    need = _min_cuda((major, minor))
+    if not _version_at_least(torch.version.cuda, need):
+        reasons.append(
+            f"torch is built for CUDA {torch.version.cuda}; sm_{major}{minor}a needs CUDA >= {need} "
+            "(FlashInfer checks torch.version.cuda): install a torch wheel built for a newer CUDA"
+        )
+    return major, minor
+
+
+def _min_cuda(sm: tuple[int, int] | None) -> str:
+    return "12.9" if sm is not None and sm[1] >= 1 else "12.8"
+
+
+def _version_at_least(version: str | None, need: str) -> bool:
+    if not version:
+        return False
+    have = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    return have >= tuple(int(x) for x in need.split("."))
+
+
+def _module_prebuilt(sm: tuple[int, int] | None) -> bool:
+    """True when the sparse_mla_sm120 module needs no compiler (AOT jit-cache or built before)."""
+    if sm is None:
+        return False  # the JIT spec needs the target GPU to be built
+    try:
+        from flashinfer.jit.mla import gen_sparse_mla_sm120_module
+
+        return bool(gen_sparse_mla_sm120_module().is_compiled)
+    except Exception:
+        return False
+
+
+def _find_nvcc() -> str | None:
+    """nvcc where FlashInfer's JIT looks: $CUDA_HOME / $CUDA_PATH, then PATH, then /usr/local/cuda."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _nvcc_version(nvcc: str) -> str | None:
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+def _toolchain_reasons(sm: tuple[int, int] | None) -> tuple[str, ...]:
+    arch = f"sm_{sm[0]}{sm[1]}a" if sm is not None else "sm_120a"
+    need = _min_cuda(sm)
+    cache_fix = (
+        "or pip install flashinfer-jit-cache matching flashinfer and your CUDA "
+        "(flashinfer-cubin alone does not carry this module)"
+    )
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None and sm is None:
+        return ()  # cannot tell without the GPU whether it covers sm_12x; the GPU reason is given
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        return (
+            "no nvcc to JIT-compile the kernels (looked in $CUDA_HOME, $CUDA_PATH, PATH, /usr/local/cuda) "
+            f"and no prebuilt sparse_mla_sm120 module: install CUDA toolkit >= {need} for {arch}, {cache_fix}",
+        )
+    version = _nvcc_version(nvcc)
+    if version is None or not _version_at_least(version, need):
+        return (
+            f"{nvcc} is CUDA {version or 'of unknown version'}; JIT-compiling for {arch} needs CUDA >= {need}: "
+            f"point CUDA_HOME at a newer toolkit, {cache_fix}",
+        )
+    return ()
+
+
+# ------------------------------------------------------------------------ envelope
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PIP_PACKAGE)
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+@functools.cache
+def _sparse_configs() -> dict[str, Any]:
+    """flashinfer.mla.supported_sparse_mla_sm120_configs() for fp8 caches (pure Python, no GPU)."""
+    import flashinfer.mla as fi_mla
+
+    return dict(fi_mla.supported_sparse_mla_sm120_configs())
+
+
+def native_format(scale_format: str, model_family: str | None = None) -> NativeFormat:
+    """FlashInfer's family and kv_scale_format for our ``scale_format`` ("auto": from the family)."""
+    if scale_format == "auto" and model_family in FAMILY_SCALE_FORMATS:
+        scale_format = FAMILY_SCALE_FORMATS[model_family]
+    try:
+        return NATIVE_FORMATS[scale_format]
+    except KeyError:
+        raise KernelInputError(
+            format_error(
+                given=f"scale_format={scale_format!r}",
+                supported=f"one of {tuple(NATIVE_FORMATS)}",
+                fix="pass the model's fp8 scale format: 'pow2' (DeepSeek-V3.2) or 'arbitrary' (GLM)",
+            )
+        ) from None
+
+
+@functools.cache
+def envelope_reasons(
+    *,
+    phase: str,
+    num_heads: int,
+    topk: int,
+    max_tokens: int | None,
+    kv_layout: str,
+    scale_format: str,
+    model_family: str | None = None,
+) -> tuple[str, ...]:
+    """Why a shape is outside the native kernel's envelope; empty when it is inside.
+
+    Reads ``flashinfer.mla.supported_sparse_mla_sm120_configs()`` (no GPU needed) for the decode
+    side and :data:`PREFILL_HEADS` / :data:`PREFILL_TOPK_TILE` for calls longer than the decode
+    limit (64 tokens). Cached.
+
+    :param phase: ``"prefill"`` or ``"decode"``; FlashInfer routes by token count, not by phase, so
+        this only words the messages.
+    :param num_heads: query heads per GPU (after tensor parallelism).
+    :param topk: indices per query token (the model's ``index_topk``).
+    :param max_tokens: most query tokens one call may see; ``None`` = unbounded.
+    :param kv_layout: ``"fp8_ds_mla"`` or ``"bf16"``.
+    :param scale_format: ``"pow2"`` or ``"arbitrary"`` (``"auto"`` resolves through ``model_family``).
+    :param model_family: FlashInfer's family name (``"dsv3_2"``, ``"glm_nsa"``) where the model has one.
+    :returns: reasons, each naming the value, what is supported and what would fix it.
+    """
+    reasons: list[str] = []
+    if kv_layout != layout.FP8_DS_MLA:
+        reasons.append(
+            f"kv_layout={kv_layout!r}: flashinfer's SM120 sparse MLA reads only packed fp8 caches "
+            f"(no bf16 sparse SM120 path in {PIP_PACKAGE} {_installed_version()}); use --kv-cache-dtype "
+            f"{layout.FP8_DS_MLA} or another kernel"
+        )
+    try:
+        fmt = native_format(scale_format, model_family)
+    except KernelInputError as error:
+        return (*reasons, str(error))
+    family = model_family or fmt.family
+    try:
+        configs = _sparse_configs()
+    except Exception as error:  # not installed / too old: probe() says which
+        return (*reasons, f"cannot read flashinfer's SM120 sparse-MLA table ({type(error).__name__}: {error})")
+    config = configs.get(family)
+    if config is None:
+        return (
+            *reasons,
+            f"model_family={family!r} is not a flashinfer SM120 sparse-MLA family (has {sorted(configs)})",
+        )
+    if config.d_qk != layout.HEAD_DIM or config.bytes_per_token != layout.FP8_DS_MLA_TOKEN_BYTES:
+        return (
+            *reasons,
+            f"flashinfer family {family!r} reads d_qk={config.d_qk}, {config.bytes_per_token} B/token, "
+            f"not the {layout.HEAD_DIM}-wide {layout.FP8_DS_MLA_TOKEN_BYTES}-byte {layout.FP8_DS_MLA} cache",
+        )
+
+    heads = config.supported_num_heads()
+    if num_heads not in heads:
+        reasons.append(f"num_heads={num_heads} per GPU: flashinfer {family} serves {heads[0]}..{heads[-1]}")
+    if config.topk_is_runtime:
+        if topk < config.min_topk:
+            reasons.append(f"topk={topk}: flashinfer {family} needs topk >= {config.min_topk}")
+    elif topk not in config.topks:
+        reasons.append(f"topk={topk}: flashinfer {family} has kernels for topk in {sorted(config.topks)}")
+
+    limit = config.max_num_tokens
+    if max_tokens is None or max_tokens > limit:
+        bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
+        calls = f"{phase} calls of {bound}"
+        if topk % PREFILL_TOPK_TILE:
+            reasons.append(
+                f"topk={topk} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
+                f"which need topk % {PREFILL_TOPK_TILE} == 0 (decode handles any topk up to {limit} tokens a call)"
+            )
+        if num_heads not in PREFILL_HEADS:
+            reasons.append(
+                f"num_heads={num_heads} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
+                f"which exist for heads {sorted(PREFILL_HEADS)} "
+                f"(decode takes 1..{heads[-1]} up to {limit} tokens a call)"
+            )
+    return tuple(reasons)
+
+
+def clear_caches() -> None:
+    """Forget cached probe and envelope answers (for tests; the wrappers stay)."""
+    probe.cache_clear()
+    envelope_reasons.cache_clear()
+    _sparse_configs.cache_clear()
+
+
+# ------------------------------------------------------------------------- binding
+
+# One SparseMLASm120Wrapper per (device index, kv_scale_format). The wrapper owns FlashInfer's
+# scratch arenas and per-shape plans (its "workspace"); it is created on the first eager call and
+# reused, never created during CUDA graph capture.
+_WRAPPERS: dict[tuple[int, str], Any] = {}
+
+
+def _wrapper_init_kwargs(device: torch.device, kv_scale_format: str) -> dict[str, Any]:
+    """Keyword arguments for ``flashinfer.mla.SparseMLASm120Wrapper(...)``."""
+    return {
+        "d_v": layout.KV_LORA_RANK,
+        "kv_scale_format": kv_scale_format,
+        "kv_cache_format": "fp8",
+        "device": device,
+    }
+
+
+def _native_call_kwargs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    sm_scale: float,
+    topk_length: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    out_lse: torch.Tensor | None,
+    lse_scale: float,
+) -> dict[str, Any]:
+    """Keyword arguments for ``SparseMLASm120Wrapper.run(...)``; tensors must already be checked.
+
+    ``out_lse`` is always ours when an LSE is wanted: without it the wrapper returns a view of a
+    buffer it reuses on the next call.
+    """
+    return {
+        "q": q,
+        "kv_cache": kv_cache,
+        "indices": indices,
+        "output": output,
+        "sm_scale": float(sm_scale),
+        "topk_length": topk_length,
+        "attn_sink": sink,
+        "out_lse": out_lse,
+        "return_lse": False,
+        "lse_scale": lse_scale,
+    }
+
+
+def _unavailable(reasons: tuple[str, ...]) -> KernelUnavailable:
+    return KernelUnavailable(
+        format_error(
+            given="flashinfer_sparse_mla on this machine: " + "; ".join(reasons),
+            supported="an SM120/SM121 GPU with flashinfer-python >= 0.7.2.post1 and nvcc or flashinfer-jit-cache",
+            fix="fix the above, or select the triton or torch kernel",
+        )
+    )
+
+
+def _bad_input(given: str, supported: str, fix: str) -> KernelInputError:
+    return KernelInputError(format_error(given=f"flashinfer_sparse_mla: {given}", supported=supported, fix=fix))
+
+
+def _kv_geometry(kv_cache: torch.Tensor) -> tuple[int, int, bool]:
+    """(page_size, num_slots, pages back to back) of a 3-D or singleton-head 4-D cache."""
+    if kv_cache.dim() == 3:
+        axis = 1
+    elif kv_cache.dim() == 4 and (kv_cache.shape[1] == 1 or kv_cache.shape[2] == 1):
+        axis = 2 if kv_cache.shape[1] == 1 else 1
+    else:
+        raise _bad_input(
+            f"kv_cache shape {tuple(kv_cache.shape)}",
+            f"[pages, page_size, {layout.FP8_DS_MLA_TOKEN_BYTES}], [pages, 1, page_size, "
+            f"{layout.FP8_DS_MLA_TOKEN_BYTES}] or [pages, page_size, 1, {layout.FP8_DS_MLA_TOKEN_BYTES}]",
+            "pass the layer's paged fp8_ds_mla cache",
+        )
+    page_size = kv_cache.shape[axis]
+    packed = kv_cache.stride(0) == page_size * kv_cache.stride(axis)
+    return page_size, kv_cache.shape[0] * page_size, packed
+
+
+def _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base) -> None:
+    import torch
+
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.dtype != torch.bfloat16 or not q.is_cuda:
+        raise _bad_input(
+            f"q {tuple(q.shape)} {q.dtype} on {q.device}",
+            f"[T, H, {layout.HEAD_DIM}] torch.bfloat16 on a CUDA device",
+            "pack q as [ql_nope (512), q_pe (64)] in bfloat16",
+        )
+    num_tokens, num_heads, _ = q.shape
+    row = layout.FP8_DS_MLA_TOKEN_BYTES
+    if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] < row or kv_cache.device != q.device:
+        raise _bad_input(
+            f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} on {kv_cache.device}",
+            f"torch.uint8 rows of >= {layout.FP8_DS_MLA_TOKEN_BYTES} bytes on q's device",
+            "pass kv_cache.view(torch.uint8) of the fp8_ds_mla cache",
+        )
+    if kv_cache.stride(-1) != 1 or kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16:
+        raise _bad_input(
+            f"kv_cache strides {kv_cache.stride()} at address % 16 = {kv_cache.data_ptr() % 16}",
+            "contiguous rows, a 16-byte aligned origin and page stride",
+            "pass the cache tensor vLLM allocated (or a view that keeps its alignment)",
+        )
+    if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.shape[1] < 1 or indices.dtype != torch.int32:
+        raise _bad_input(
+            f"indices {tuple(indices.shape)} {indices.dtype}",
+            f"[{num_tokens}, topk] torch.int32 global slots, -1 padded",
+            "convert request-local top-k to global slots as int32",
+        )
+    if indices.device != q.device:
+        raise _bad_input(f"indices on {indices.device}", f"q's device {q.device}", "move indices to q's device")
+    if topk_length is not None and (
+        topk_length.shape != (num_tokens,)
+        or topk_length.dtype not in (torch.int32, torch.int64)
+        or topk_length.device != q.device
+    ):
+        raise _bad_input(
+            f"topk_length {tuple(topk_length.shape)} {topk_length.dtype} on {topk_length.device}",
+            f"[{num_tokens}] int32 on q's device",
+            "pass one valid-length per query token",
+        )
+    if sink is not None and (sink.shape != (num_heads,) or not sink.is_floating_point() or sink.device != q.device):
+        raise _bad_input(
+            f"sink {tuple(sink.shape)} {sink.dtype} on {sink.device}",
+            f"[{num_heads}] float32 on q's device",
+            "pass the layer's per-head sink logits",
+        )
+    if out is not None and (
+        out.shape != (num_tokens, num_heads, layout.KV_LORA_RANK)
+        or out.dtype != torch.bfloat16
+        or out.device != q.device
+        or not out.is_contiguous()
+    ):
+        raise _bad_input(
+            f"out {tuple(out.shape)} {out.dtype} on {out.device}, contiguous={out.is_contiguous()}",
+            f"[{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] contiguous torch.bfloat16 on q's device",
+            "pass out=None to let the binding allocate it",
+        )
+    if lse_base not in LSE_BASES:
+        raise _bad_input(f"lse_base={lse_base!r}", f"one of {LSE_BASES}", "pass 'e' (natural log) or '2'")
+
+
+def _get_wrapper(device: torch.device, kv_scale_format: str):
+    import torch
+
+    key = (device.index if device.index is not None else torch.cuda.current_device(), kv_scale_format)
+    wrapper = _WRAPPERS.get(key)
+    if wrapper is not None:
+        return wrapper
+    if torch.cuda.is_current_stream_capturing():
+        raise KernelUnavailable(
+            format_error(
+                given=f"first flashinfer_sparse_mla call on cuda:{key[0]} (kv_scale_format={kv_scale_format}) "
+                "during CUDA graph capture",
+                supported="the FlashInfer wrapper and its scratch are created on an eager call, then reused by graphs",
+                fix="run each captured shape once eagerly before capture (vLLM's warm-up does this)",
+            )
+        )
+    import flashinfer.mla as fi_mla
+
+    with torch.cuda.device(key[0]):
+        wrapper = fi_mla.SparseMLASm120Wrapper(**_wrapper_init_kwargs(torch.device("cuda", key[0]), kv_scale_format))
+    _WRAPPERS[key] = wrapper
+    return wrapper
+
+
+def flashinfer_sparse_mla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    kv_layout: str,
+    topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_base: str = "e",
+    sink: torch.Tensor | None = None,
+    scale_format: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA through FlashInfer's SM120/SM121 kernels (``SparseMLASm120Wrapper.run``).
+
+    Semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla`, within fp8 Q/P
+    tolerance. Graph-safe after one eager call per shape: no host sync, no allocation of FlashInfer
+    state during capture.
+
+    q: [T, H, 576], bfloat16, CUDA (copied once if not contiguous)
+    kv_cache: [P, page_size, 656] uint8 fp8_ds_mla (also [P, 1, page_size, 656] / [P, page_size, 1, 656])
+    indices: [T, topk], int32, global slots (page * page_size + row); -1 and ids outside
+        [0, P * page_size) are skipped
+    sm_scale: Python float, the model's softmax scale
+    kv_layout: must be ``"fp8_ds_mla"``
+    topk_length: [T], int32, optional; positions >= topk_length[t] are skipped (native argument)
+    out: [T, H, 512], bfloat16, contiguous, optional; written in place
+    return_lse: also return lse [T, H] float32 (sink-free, base ``lse_base``: ``"e"`` or ``"2"``)
+    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse)) (native argument)
+    scale_format: ``"pow2"`` (DeepSeek-V3.2) or ``"arbitrary"`` (GLM): how the cache's scales were written
+    returns: out [T, H, 512] bfloat16, and lse when ``return_lse``
+
+    Raises :class:`KernelUnavailable` when :func:`probe` finds a problem, or on the first call of a
+    device or shape during graph capture; :class:`KernelInputError` for wrong inputs and shapes
+    outside :func:`envelope_reasons`.
+    """
+    reasons = probe()
+    if reasons:
+        raise _unavailable(reasons)
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+        raise _bad_input(
+            f"sm_scale of type {type(sm_scale).__name__}",
+            "a Python float (the kernel takes it as a launch argument)",
+            "pass float(layer.scaling) once at init, not a tensor",
+        )
+    _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base)
+    import torch
+
+    num_tokens, num_heads, _ = q.shape
+    topk = indices.shape[1]
+    fmt = native_format(scale_format)
+    limit = _sparse_configs()[fmt.family].max_num_tokens
+    outside = envelope_reasons(
+        phase="decode" if num_tokens <= limit else "prefill",
+        num_heads=num_heads,
+        topk=topk,
+        max_tokens=num_tokens,
+        kv_layout=kv_layout,
+        scale_format=scale_format,
+    )
+    if outside:
+        raise _bad_input(
+            "; ".join(outside),
+            "the shapes envelope_reasons() accepts",
+            "route this shape to the triton or torch kernel (the selection does so at init)",
+        )
+    _, num_slots, packed_pages = _kv_geometry(kv_cache)
+    if num_tokens > limit and not packed_pages:
+        raise _bad_input(
+            f"{num_tokens} tokens on a page-strided kv_cache (page stride {kv_cache.stride(0)} bytes)",
+            f"page gaps only in calls of <= {limit} tokens (flashinfer's prefill needs back-to-back pages)",
+            "split the call into <= 64-token pieces or pass a cache whose pages are contiguous",
+        )
+
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=q.device)
+    if num_tokens == 0:
+        empty = torch.empty(0, num_heads, dtype=torch.float32, device=q.device)
+        return (out, empty) if return_lse else out
+
+    wrapper = _get_wrapper(q.device, fmt.kv_scale_format)  # before any launch: may refuse under capture
+    # FlashInfer skips ids < 0 but reads any id >= 0: out-of-range ids become -1 here (one fused
+    # elementwise op, graph-safe), which also gives the dense index rows its prefill path needs.
+    indices = torch.where(indices < num_slots, indices, -1)
+    if topk_length is not None and topk_length.dtype != torch.int32:
+        topk_length = topk_length.to(torch.int32)
+    if sink is not None:
+        sink = sink.to(torch.float32).contiguous()
+    out_lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    # Native LSE is base 2; lse_scale rescales it in the kernel. The sink correction below works in
+    # natural units, so a sink with a base-2 request goes through e and is converted afterwards.
+    native_base2 = return_lse and lse_base == "2" and sink is None
+    kwargs = _native_call_kwargs(
+        q.contiguous(),
+        kv_cache,
+        indices,
+        out,
+        sm_scale=sm_scale,
+        topk_length=topk_length,
+        sink=sink,
+        out_lse=out_lse,
+        lse_scale=1.0 if native_base2 else _LN2,
+    )
+    capturing = torch.cuda.is_current_stream_capturing()
+    try:
+        wrapper.run(**kwargs)
+    except ValueError as error:
+        if capturing:
+            raise KernelUnavailable(
+                format_error(
+                    given=f"flashinfer_sparse_mla T={num_tokens} H={num_heads} topk={topk} during CUDA graph "
+                    f"capture: {error}",
+                    supported="shapes run once eagerly before capture (FlashInfer plans per shape and stride)",
+                    fix="warm up every captured batch size before capture",
+                )
+            ) from error
+        raise _bad_input(
+            f"T={num_tokens} H={num_heads} topk={topk}, rejected by flashinfer: {error}",
+            "the shapes envelope_reasons() accepts, with flashinfer's layout rules",
+            "route this shape to the triton or torch kernel",
+        ) from error
+
+    if not return_lse:
+        return out
+    if sink is not None:
+        # FlashInfer reports lse' = log(exp(lse) + exp(sink)); the contract's lse excludes the sink:
+        # lse = lse' + log(1 - exp(sink - lse')). A row with no valid slot gives lse' = sink -> -inf.
+        correction = torch.log(-torch.expm1(sink[None, :] - out_lse))
+        out_lse = torch.where(torch.isneginf(out_lse), out_lse, out_lse + correction)
+        if lse_base == "2":
+            out_lse = out_lse * _LOG2E
+    return out, out_lse
