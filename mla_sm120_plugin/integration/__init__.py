@@ -1,0 +1,1 @@
+"""Engine integrations. Each subpackage adapts the plugin to one engine's internals."""

@@ -1,0 +1,64 @@
+"""Every place this plugin leans on vLLM 0.33 internals, in one list.
+
+An engine upgrade is a walk down this file. Each entry says what we use, why, and what upstream
+change would let it go.
+
+1. ``AttentionBackendEnum.CUSTOM`` + ``register_backend`` (registry.py): how a plugin backend is
+   selectable at all. Stable public-ish API.
+2. ``AttentionBackend.validate_configuration(**AttentionSelectorConfig)``: called by the CUDA
+   selector while the model is being built, before weights load. It carries no model info, so
+   the model is read from :func:`current_vllm_config` (vllm.config.get_current_vllm_config_or_none).
+   Would go if vLLM passed the model config to backends (vllm#40051 asked for config plumbing).
+   An exception other than ImportError/OSError propagates unchanged: we raise our own error so
+   the user sees our full message rather than vLLM's "Reason: [...]" list.
+3. ``FlashInferMLASparseMetadataBuilder`` (backends/mla/flashinfer_mla_sparse.py): we reuse its
+   metadata (block table, req_id_per_token, decode/prefill split) and set the reorder threshold
+   to true decodes only (1 + speculative tokens), so decode rows go to split-K decode kernels.
+4. ``SparseMLACommonImpl`` (layers/attention/sparse_mla_attention.py): constructor and the shared
+   ``topk_indices_buffer`` (logical positions, -1 padded, written by the indexer).
+5. ``flat_kv_row_view`` (backends/mla/sparse_utils.py): vLLM may interleave other layers' pages
+   between this layer's blocks; slots are rows of that flat view.
+6. ``triton_convert_req_index_to_global_index``: logical -> global slot ids, used on CUDA when
+   the top-k width is a multiple of 128 (its assertion); otherwise :func:`logical_to_global`
+   below does the same in a few graph-safe torch ops.
+7. KV dtype canonicalisation (``_canonicalize_sparse_mla_kv_cache_dtype`` in mla_attention.py)
+   is keyed on in-tree backend names and never fires for CUSTOM: ``fp8``/``fp8_e4m3`` would
+   give the plain fp8 layout, so we refuse them and name ``--kv-cache-dtype fp8_ds_mla``.
+8. The DSA cache writer (models/deepseek_v32/common/kernels.py) writes power-of-two fp32 scales
+   for every model in 0.33, GLM included. Our Triton and torch kernels read the fp32 scale as a
+   value, so they are right for either format; FlashInfer is told the profile's format, and
+   ``arbitrary_fp32`` (GLM's) reads pow2 scales correctly too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def current_vllm_config() -> Any:
+    """The VllmConfig in scope, or None (outside vLLM's model construction)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def logical_to_global(
+    logical: Any, req_id_per_token: Any, block_table: Any, *, block_size: int, block_stride_rows: int
+) -> Any:
+    """Per-request logical token positions -> rows of the flat KV view; -1 stays -1.
+
+    :param logical: [N, topk], int32: positions within each token's request, -1 padded.
+    :param req_id_per_token: [>=N], int32: the request row of each token.
+    :param block_table: [num_reqs, max_blocks], int32: physical block ids.
+    :returns: [N, topk], int32 global slots; -1 where the position is -1 or past the block table.
+    """
+    import torch
+
+    n = logical.shape[0]
+    req = req_id_per_token[:n].long().unsqueeze(1)  # [N, 1]
+    pos = logical.long()
+    blk = torch.div(pos.clamp(min=0), block_size, rounding_mode="floor")  # [N, topk]
+    valid = (pos >= 0) & (blk < block_table.shape[1])
+    phys = block_table[req, blk.clamp(max=block_table.shape[1] - 1)].long()  # [N, topk]
+    slots = phys * block_stride_rows + pos.remainder(block_size)
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)

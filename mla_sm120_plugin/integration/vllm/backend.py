@@ -1,0 +1,288 @@
+"""The CUSTOM sparse-MLA attention backend for vLLM 0.33: backend, metadata builder, impl.
+
+Imported only when vLLM resolves ``--attention-backend CUSTOM``; heavy imports are fine here.
+The decision (which kernel serves each phase) is made in :meth:`MlaSm120Backend.validate_configuration`,
+which vLLM's selector calls while the model is being built, before any weight loads; the impl
+binds that decision once and only dispatches at forward time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+from typing import Any, Callable, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
+    FlashInferMLASparseMetadata,
+    FlashInferMLASparseMetadataBuilder,
+)
+from vllm.v1.attention.backends.mla.sparse_utils import (
+    align_blocks_to_rows,
+    flat_kv_row_view,
+    triton_convert_req_index_to_global_index,
+)
+
+from ... import config as config_mod
+from ... import device as device_mod
+from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
+from ...hooks.manager import get_registry
+from ...kernels.layout import BF16, FP8_DS_MLA, HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
+from ...modelinfo import facts_from_hf_config
+from ...selection import select
+from ...types import DECODE, PREFILL, Decision, SelectionContext
+from .adapters import current_vllm_config, logical_to_global
+
+logger = logging.getLogger("mla_sm120_plugin")
+
+BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
+
+# vLLM's --kv-cache-dtype -> the layout our kernels read. Anything else (fp8, fp8_e4m3, ...) is
+# passed through as given, and the selection refuses it naming the flag to use instead.
+KV_DTYPE_TO_LAYOUT = {"fp8_ds_mla": FP8_DS_MLA, "auto": BF16, "bfloat16": BF16, None: BF16}
+
+# The plugin serves SM12x. Elsewhere vLLM's own sparse-MLA backends (FlashMLA on SM90/SM100) are
+# the better choice, so the vLLM backend refuses other families even where Triton could run.
+SERVED_SM_FAMILIES = frozenset({12})
+
+_decisions: dict[SelectionContext, Decision] = {}
+_logged: set[SelectionContext] = set()
+# The capability vLLM's selector validated against, in this process; the impl decides for the
+# same device (the selector runs in the worker that then builds the impls).
+_selector_capability: list[tuple[int, int]] = []
+
+
+def _context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
+    model_config = vllm_config.model_config
+    reg = get_registry()
+    facts = facts_from_hf_config(model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config,
+                                 name=str(model_config.model), registry=reg)
+    if model_config.architectures:
+        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
+    inline = (vllm_config.additional_config or {}).get(config_mod.ADDITIONAL_CONFIG_KEY)
+    settings = config_mod.load_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+    forced_by = ", ".join(
+        f"{k} from {settings.origin(k)}" for k in config_mod.KERNEL_KEYS if getattr(settings, k) != "auto"
+    ) or "plugin config"
+    sched = vllm_config.scheduler_config
+    spec = vllm_config.speculative_config
+    decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    comp = vllm_config.compilation_config
+    cuda_graphs = not model_config.enforce_eager and comp.cudagraph_mode is not None and comp.cudagraph_mode.has_full_cudagraphs()
+    return SelectionContext(
+        model_arch=facts.arch,
+        model_name=facts.name,
+        kv_cache_dtype=KV_DTYPE_TO_LAYOUT.get(kv_cache_dtype, str(kv_cache_dtype)),
+        num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
+        index_topk=facts.index_topk,
+        device=device_mod.from_capability(major, minor),
+        prefill_kernel=settings.prefill_kernel,
+        decode_kernel=settings.decode_kernel,
+        kv_scale_format=settings.kv_scale_format,
+        max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
+        max_prefill_tokens=sched.max_num_batched_tokens,
+        cuda_graphs=cuda_graphs,
+        forced_by=forced_by,
+    )
+
+
+def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> Decision:
+    """Run the constraint matrix for vLLM's config on a device of capability ``major.minor``.
+
+    :raises UnsupportedConfiguration: with the combination, what is supported and the fix.
+    :raises ConfigError: the plugin config (inline or file) is malformed.
+    """
+    ctx = _context_from_vllm(vllm_config, kv_cache_dtype, major, minor)
+    if ctx in _decisions:
+        return _decisions[ctx]
+    if major not in SERVED_SM_FAMILIES:
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: --attention-backend CUSTOM (mla_sm120) on sm_{major}{minor}",
+                "NVIDIA SM120/SM121 (the SM12x family)",
+                "drop --attention-backend CUSTOM: on this GPU vLLM's own sparse-MLA backends serve DSA models",
+            )
+        )
+    decision = select(ctx)
+    _decisions[ctx] = decision
+    return decision
+
+
+class MlaSm120MetadataBuilder(FlashInferMLASparseMetadataBuilder):
+    """vLLM's sparse-MLA metadata, with only true decodes (1 + speculative tokens) counted as decode.
+
+    The in-tree builder counts requests of up to 256-1024 new tokens as decodes (FlashInfer routes
+    them internally); our decode kernels are split-K kernels for few rows, so short prefills go to
+    the prefill kernel instead.
+    """
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True, supports_dcp_with_varlen=True)
+
+
+class MlaSm120Backend(AttentionBackend):
+    """Sparse MLA for DSA models on SM120/SM121, kernels chosen per phase by mla_sm120_plugin."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
+    # fp8/fp8_e4m3 are absent on purpose: without vLLM's name-keyed rewrite they mean the plain
+    # fp8 layout, which no kernel here reads (validate_configuration names the right flag).
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["fp8_ds_mla", "auto", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[MlaSm120Impl]:
+        return MlaSm120Impl
+
+    @staticmethod
+    def get_builder_cls() -> type[MlaSm120MetadataBuilder]:
+        return MlaSm120MetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[MultipleOf]:
+        return [MultipleOf(PAGE_SIZE)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_DIM]
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        # Pages sit a whole number of 64-token rows apart, so slots index a flat row view.
+        return align_blocks_to_rows(spec, PAGE_SIZE)
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        return capability.major in SERVED_SM_FAMILIES
+
+    @classmethod
+    def validate_configuration(cls, **kwargs: Any) -> list[str]:
+        """vLLM's selector hook: run our constraint matrix first, then vLLM's generic checks.
+
+        Our refusals raise :class:`UnsupportedConfiguration` (vLLM lets it through unchanged), so the
+        user sees the combination, what is supported and the fix, before any weight loads.
+        """
+        vllm_config = current_vllm_config()
+        cap = kwargs["device_capability"]
+        if vllm_config is None or vllm_config.model_config is None:
+            return ["mla_sm120: no vLLM model config in scope; the backend decides per model"]
+        decide(vllm_config, kwargs.get("kv_cache_dtype"), cap.major, cap.minor)
+        _selector_capability[:] = [(cap.major, cap.minor)]
+        return super().validate_configuration(**kwargs)
+
+
+def _bind(entry: str) -> tuple[Callable[..., Any], bool]:
+    module, _, name = entry.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    return fn, "scale_format" in inspect.signature(fn).parameters
+
+
+class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
+    """Binds the decided kernel per phase; ``forward_mqa`` only converts indices and dispatches."""
+
+    supports_dense_mha_prefill = False  # every token goes through forward_mqa
+    supports_pcp = False
+    supports_dcp = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = current_vllm_config()
+        if vllm_config is None:
+            raise UnsupportedConfiguration(
+                format_error("MlaSm120Impl built outside vLLM's model construction", "construction by vLLM",
+                             "select it with --attention-backend CUSTOM")
+            )
+        cap = _device_capability()
+        self.decision = decide(vllm_config, self.kv_cache_dtype, *cap)
+        ctx = self.decision.context
+        self.kv_layout = ctx.kv_cache_dtype
+        self._kernels: dict[str, tuple[Callable[..., Any], bool, bool]] = {}
+        reg = get_registry()
+        for phase in (DECODE, PREFILL):
+            name = self.decision.kernels[phase]
+            fn, takes_format = _bind(self.decision.entries[phase])
+            self._kernels[phase] = (fn, takes_format, reg.kernels[name].graph_safe)
+        self._single_kernel = self.decision.decode == self.decision.prefill
+        if ctx not in _logged:
+            _logged.add(ctx)
+            logger.info("%s", self.decision.log_line())
+
+    def _run(self, phase: str, q: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        fn, takes_format, graph_safe = self._kernels[phase]
+        if not graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise KernelUnavailable(
+                format_error(
+                    f"{self.decision.kernels[phase]} ({phase}) reached during CUDA graph capture",
+                    "graph-safe kernels inside captured decode",
+                    "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
+                )
+            )
+        kwargs: dict[str, Any] = {"sm_scale": self.scale, "kv_layout": self.kv_layout, "out": out}
+        if takes_format:
+            kwargs["scale_format"] = self.decision.scale_format
+        fn(q, kv_rows, slots, **kwargs)
+
+    def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
+        """Sparse MQA over the DSA cache for every row of the batch.
+
+        q: ([N, H, 512], [N, H, 64]) bfloat16 (ql_nope may be a strided view) or packed [N, H, 576]
+        kv_c_and_k_pe_cache: [num_blocks, block_size, 656] uint8 (fp8_ds_mla) or
+            [num_blocks, block_size, 576] bfloat16; block stride may exceed block_size rows
+        returns: (out [N, H, 512] in q's dtype, None)
+        """
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)  # [N, H, 576], contiguous
+        n = q.shape[0]
+        logical = self.topk_indices_buffer[:n]  # [N, topk] positions within each request, -1 padded
+        kv_rows, stride_rows = flat_kv_row_view(kv_c_and_k_pe_cache, attn_metadata.block_size)  # [rows, C]
+        if q.is_cuda and logical.shape[1] % 128 == 0:
+            slots = triton_convert_req_index_to_global_index(
+                attn_metadata.req_id_per_token[:n], attn_metadata.block_table, logical,
+                BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=stride_rows,
+                NUM_TOPK_TOKENS=logical.shape[1],
+            )
+        else:
+            slots = logical_to_global(
+                logical, attn_metadata.req_id_per_token, attn_metadata.block_table,
+                block_size=attn_metadata.block_size, block_stride_rows=stride_rows,
+            )
+        out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]
+        nd = attn_metadata.num_decode_tokens
+        if self._single_kernel or nd == n:
+            self._run(DECODE, q, kv_rows, slots, out)
+        elif nd == 0:
+            self._run(PREFILL, q, kv_rows, slots, out)
+        else:
+            # Decode rows come first in vLLM's reordered batch.
+            self._run(DECODE, q[:nd], kv_rows, slots[:nd], out[:nd])
+            self._run(PREFILL, q[nd:], kv_rows, slots[nd:], out[nd:])
+        return out, None
+
+
+def _device_capability() -> tuple[int, int]:
+    if _selector_capability:
+        return _selector_capability[0]
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability()
+    if cap is None:
+        raise UnsupportedConfiguration(
+            format_error("no GPU compute capability reported by vLLM's platform", "an NVIDIA SM120/SM121 GPU",
+                         "run on an SM12x GPU")
+        )
+    return cap.major, cap.minor

@@ -1,0 +1,86 @@
+"""Real vLLM 0.33 config objects for tiny DSA models, built on the CPU (no weights, no GPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import pytest
+
+pytest.importorskip("vllm", reason="install the vllm extra: pip install -e '.[vllm]'")
+
+import torch  # noqa: E402
+from transformers import DeepseekV32Config, GlmMoeDsaConfig, LlamaConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+
+TINY = dict(
+    vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
+    index_n_heads=4, index_head_dim=128, max_position_embeddings=4096,
+)
+
+
+def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = None) -> str:
+    """Save a tiny HF config (no weights) and return its directory."""
+    if kind == "glm":
+        cfg = GlmMoeDsaConfig(num_attention_heads=heads or 64, qk_nope_head_dim=192, v_head_dim=256,
+                              num_key_value_heads=heads or 64, index_topk=index_topk, **TINY)
+        cfg.architectures = ["GlmMoeDsaForCausalLM"]
+    elif kind == "dsv32":
+        cfg = DeepseekV32Config(num_attention_heads=heads or 128, qk_nope_head_dim=128, v_head_dim=128,
+                                num_key_value_heads=heads or 128, index_topk=index_topk, **TINY)
+        cfg.architectures = ["DeepseekV32ForCausalLM"]
+    else:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
+        cfg.architectures = ["LlamaForCausalLM"]
+    cfg.dtype = "bfloat16"
+    path = os.path.join(str(root), f"{kind}_topk{index_topk}_h{heads}")
+    cfg.save_pretrained(path)
+    return path
+
+
+def make_vllm_config(model_dir: str, *, cache_dtype: str = "fp8_ds_mla", tp: int = 1,
+                     additional_config: dict | None = None, enforce_eager: bool = False,
+                     max_num_seqs: int = 256) -> VllmConfig:
+    model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=4096, enforce_eager=enforce_eager)
+    return VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=64),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                                         max_model_len=4096, is_encoder_decoder=False),
+        additional_config=additional_config or {},
+    )
+
+
+def selector_kwargs(kv_cache_dtype: str, cap: tuple[int, int]) -> dict:
+    """The keyword arguments vLLM's CUDA selector passes to validate_configuration."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    cfg = AttentionSelectorConfig(head_size=576, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,
+                                  block_size=None, use_mla=True, use_sparse=True)
+    return {"device_capability": DeviceCapability(*cap), **cfg._asdict()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_state():
+    from mla_sm120_plugin.integration.vllm import backend
+
+    backend._decisions.clear()
+    backend._selector_capability.clear()
+    yield
+    backend._decisions.clear()
+    backend._selector_capability.clear()

@@ -1,0 +1,60 @@
+"""The vllm.general_plugins entry point, loaded by vLLM's own plugin loader in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from mla_sm120_plugin.integration.vllm import BACKEND_PATH
+
+PROBE = """
+import json, logging
+logging.basicConfig(level=logging.WARNING)
+{pre}
+from vllm.plugins import load_general_plugins
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+load_general_plugins()
+load_general_plugins()  # vLLM may call it again; must stay a no-op
+{post}
+print(json.dumps({{"overridden": E.CUSTOM.is_overridden(),
+                   "path": E.CUSTOM.get_path() if E.CUSTOM.is_overridden() else None}}))
+"""
+
+
+REPEAT = "from mla_sm120_plugin.integration.vllm import register\nregister()  # direct repeat calls too"
+
+
+def _run(env_extra: dict[str, str], pre: str = "", post: str = REPEAT) -> tuple[dict, str]:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **env_extra)
+    res = subprocess.run([sys.executable, "-c", PROBE.format(pre=pre, post=post)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+def test_load_general_plugins_registers_custom():
+    out, _ = _run({})
+    assert out == {"overridden": True, "path": BACKEND_PATH}
+
+
+def test_vllm_plugins_excluding_us_leaves_custom_unregistered():
+    out, _ = _run({"VLLM_PLUGINS": "some_other_plugin"}, post="")
+    assert out == {"overridden": False, "path": None}
+
+
+def test_foreign_custom_owner_is_left_alone_and_logged_once():
+    pre = ("from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend\n"
+           "register_backend(E.CUSTOM, 'someone.else.Backend')")
+    out, err = _run({}, pre=pre)
+    assert out == {"overridden": True, "path": "someone.else.Backend"}
+    assert err.count("already belongs to someone.else.Backend") == 1
+    assert BACKEND_PATH in err
+
+
+def test_backend_class_path_resolves():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = resolve_obj_by_qualname(BACKEND_PATH)
+    assert cls.get_name() == "MLA_SM120_SPARSE" and cls.is_sparse() and cls.is_mla()

@@ -1,0 +1,118 @@
+"""validate_configuration against real vLLM 0.33 configs, on the CPU with DeviceCapability(12, x)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_vllm_config, selector_kwargs, write_model
+from vllm.config import set_current_vllm_config
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from mla_sm120_plugin.config import CONFIG_ENV
+from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
+from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
+from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+
+
+def _validate(vc, kv="fp8_ds_mla", cap=(12, 0)):
+    with set_current_vllm_config(vc):
+        return MlaSm120Backend.validate_configuration(**selector_kwargs(kv, cap))
+
+
+def _in_tree(vc, kv="fp8_ds_mla", cap=(12, 0)):
+    backend = AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120.get_class()
+    with set_current_vllm_config(vc):
+        return backend.validate_configuration(**selector_kwargs(kv, cap))
+
+
+@pytest.mark.parametrize("kind", ["glm", "dsv32"])
+@pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
+def test_accepts_fp8_ds_mla_on_sm12x(tmp_path, kind, cap):
+    vc = make_vllm_config(write_model(tmp_path, kind))
+    assert _validate(vc, cap=cap) == []
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0)])
+def test_refuses_other_families_with_our_message(tmp_path, cap):
+    vc = make_vllm_config(write_model(tmp_path, "glm"))
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _validate(vc, cap=cap)
+    msg = str(err.value)
+    for part in ("model_arch=GlmMoeDsaForCausalLM", f"sm={cap[0]}.{cap[1]}", "kv_cache_dtype=fp8_ds_mla",
+                 "prefill_impl=auto", "decode_impl=auto", "supported: NVIDIA SM120/SM121", "fix:"):
+        assert part in msg
+
+
+def test_refuses_a_non_dsa_model(tmp_path):
+    vc = make_vllm_config(write_model(tmp_path, "llama"), cache_dtype="auto")
+    with pytest.raises(UnsupportedConfiguration, match="LlamaForCausalLM is not a DeepSeek-Sparse-Attention model"):
+        _validate(vc, kv="auto")
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3"])
+def test_plain_fp8_is_refused_naming_the_flag(tmp_path, kv):
+    vc = make_vllm_config(write_model(tmp_path, "glm"), cache_dtype=kv)
+    with pytest.raises(UnsupportedConfiguration, match="pass --kv-cache-dtype fp8_ds_mla"):
+        _validate(vc, kv=kv)
+
+
+def test_serves_what_the_in_tree_sm120_backend_refuses(tmp_path):
+    # index_topk 1024: in-tree refuses (measured with its own validate_configuration); we accept.
+    vc = make_vllm_config(write_model(tmp_path, "glm", index_topk=1024))
+    assert any("index_topk=2048" in r for r in _in_tree(vc))
+    assert _validate(vc) == []
+    # bf16 KV (GLM keeps "bfloat16"): in-tree refuses, we accept and pick a bf16-reading kernel.
+    vc = make_vllm_config(write_model(tmp_path, "glm"), cache_dtype="bfloat16")
+    assert "kv_cache_dtype not supported" in _in_tree(vc, kv="bfloat16")
+    assert _validate(vc, kv="bfloat16") == []
+    d = decide(vc, "bfloat16", 12, 0)
+    assert d.context.kv_cache_dtype == "bf16" and FLASHINFER not in d.kernels.values()
+    # 4 heads per rank (GLM-5 at TP16).
+    vc = make_vllm_config(write_model(tmp_path, "glm"), tp=16)
+    assert _validate(vc) == []
+    assert decide(vc, "fp8_ds_mla", 12, 1).context.num_heads == 4
+
+
+def test_decision_reads_model_heads_topk_and_scale_format(tmp_path):
+    vc = make_vllm_config(write_model(tmp_path, "dsv32", index_topk=512), tp=8)
+    d = decide(vc, "fp8_ds_mla", 12, 0)
+    ctx = d.context
+    assert (ctx.model_arch, ctx.num_heads, ctx.index_topk) == ("DeepseekV32ForCausalLM", 16, 512)
+    assert d.scale_format == "pow2"
+    assert FLASHINFER in {r.kernel for r in d.rejections}  # no GPU here: its probe says so
+    assert "no CUDA GPU" in " ".join(r for rej in d.rejections if rej.kernel == FLASHINFER for r in rej.reasons)
+
+
+def test_additional_config_override_changes_the_decision(tmp_path):
+    model = write_model(tmp_path, "glm")
+    auto = decide(make_vllm_config(model, enforce_eager=True), "fp8_ds_mla", 12, 0)
+    forced = decide(
+        make_vllm_config(model, enforce_eager=True,
+                         additional_config={"mla_sm120": {"decode_kernel": TORCH, "kv_scale_format": "pow2"}}),
+        "fp8_ds_mla", 12, 0,
+    )
+    assert forced.decode == TORCH and forced.scale_format == "pow2"
+    assert auto.scale_format == "arbitrary"
+    # Forcing a kernel that cannot run here fails with our message, naming the source.
+    vc = make_vllm_config(model, additional_config={"mla_sm120": {"decode_kernel": "flashmla_sparse"}})
+    with pytest.raises(UnsupportedConfiguration, match="decode_kernel from --additional-config mla_sm120"):
+        _validate(vc)
+
+
+def test_config_file_override_matches_the_model_name(tmp_path, monkeypatch):
+    model = write_model(tmp_path, "glm")
+    other = write_model(tmp_path, "dsv32")
+    cfg = tmp_path / "mla.toml"
+    cfg.write_text(f'[models."{model}"]\nprefill_kernel = "{TORCH}"\ndecode_kernel = "{TORCH}"\n')
+    monkeypatch.setenv(CONFIG_ENV, str(cfg))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the Triton probe pass on this CPU
+    d = decide(make_vllm_config(model, enforce_eager=True), "fp8_ds_mla", 12, 0)
+    assert d.prefill == d.decode == TORCH
+    # The section for one model does not leak into the next.
+    d2 = decide(make_vllm_config(other, enforce_eager=True), "fp8_ds_mla", 12, 0)
+    assert d2.decode == TRITON
+    # Named inline through config_file, a file with a bad key fails naming file and key.
+    bad = tmp_path / "bad.toml"
+    bad.write_text('decode_kernal = "auto"\n')
+    vc = make_vllm_config(model, additional_config={"mla_sm120": {"config_file": str(bad)}})
+    with pytest.raises(ConfigError, match="decode_kernal"):
+        _validate(vc)
