@@ -1,0 +1,181 @@
+"""The one sparse-MLA entry: validates every input once, then dispatches to a named kernel.
+
+The kernels themselves (:mod:`.reference`, :mod:`.triton`, :mod:`.flashinfer`) trust their inputs;
+this is the only place that checks them, so every input error is a :class:`KernelInputError` naming
+the argument, what is supported and what was given.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+
+import torch
+
+from mla_sm120_plugin.errors import KernelInputError, format_error
+from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.catalog import FLASHINFER, FLASHINFER_SPEC, TORCH_SPEC, TRITON_SPEC
+
+# Kernel name -> "module:function", from the catalog's specs (the one place names and entries are
+# written); imported only when first called, so asking for the reference never imports triton.
+KERNEL_ENTRIES = {spec.name: spec.entry for spec in (FLASHINFER_SPEC, TRITON_SPEC, TORCH_SPEC)}
+KERNEL_NAMES = tuple(KERNEL_ENTRIES)
+LSE_BASES = ("e", "2")
+MAX_HEADS = 128
+
+_CACHE_DTYPES = {layout.FP8_DS_MLA: torch.uint8, layout.BF16: torch.bfloat16}
+_CACHE_WIDTHS = {layout.FP8_DS_MLA: layout.FP8_DS_MLA_TOKEN_BYTES, layout.BF16: layout.BF16_TOKEN_ELEMS}
+
+
+def _fail(argument: str, given: str, supported: str, fix: str) -> KernelInputError:
+    return KernelInputError(format_error(f"{argument}={given}", f"{argument} {supported}", fix))
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor{list(x.shape)} {x.dtype} on {x.device}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _need_tensor(name: str, x: object, supported: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise _fail(name, _describe(x), supported, f"pass {name} as a torch.Tensor")
+    return x
+
+
+def _check_same_device(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    if x.device != q.device:
+        raise _fail(name, _describe(x), f"on q's device {q.device}", f"move {name} to {q.device}")
+
+
+def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_size, out,
+              return_lse, lse_base, sink, scale_format) -> float:
+    """Check every argument against the contract; returns sm_scale as a float."""
+    if kv_layout not in layout.KV_LAYOUTS:
+        raise _fail("kv_layout", repr(kv_layout), f"one of {layout.KV_LAYOUTS}",
+                    "pass 'fp8_ds_mla' for the 656-byte fp8 cache or 'bf16' for the 576 x bf16 cache")
+
+    q_supported = f"[T, H, {layout.HEAD_DIM}] bfloat16 or float32 with 1 <= H <= {MAX_HEADS}"
+    _need_tensor("q", q, q_supported)
+    if q.dim() != 3 or q.shape[2] != layout.HEAD_DIM:
+        raise _fail("q", _describe(q), q_supported,
+                    "pass q packed as [tokens, heads, 512 latent + 64 rope]")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise _fail("q", _describe(q), q_supported, "cast q with .to(torch.bfloat16)")
+    num_tokens, num_heads, _ = q.shape
+    if not 1 <= num_heads <= MAX_HEADS:
+        raise _fail("q", _describe(q), q_supported, "pass the heads of this rank (1..128)")
+
+    width, dtype = _CACHE_WIDTHS[kv_layout], _CACHE_DTYPES[kv_layout]
+    cache_supported = (f"[num_pages, page_size, {width}] or [num_slots, {width}] {dtype} "
+                       f"(last dim contiguous) for kv_layout={kv_layout!r}")
+    _need_tensor("kv_cache", kv_cache, cache_supported)
+    if kv_cache.dim() not in (2, 3) or kv_cache.shape[-1] != width or kv_cache.dtype != dtype:
+        raise _fail("kv_cache", _describe(kv_cache), cache_supported,
+                    "pass the layer's cache and the kv_layout it was written in")
+    if kv_cache.stride(-1) != 1:
+        raise _fail("kv_cache", f"{_describe(kv_cache)} with strides {kv_cache.stride()}",
+                    cache_supported, "pass a view whose rows are contiguous")
+    _check_same_device("kv_cache", kv_cache, q)
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise _fail("page_size", _describe(page_size), "a positive int", "pass the cache's page size")
+    if kv_cache.dim() == 3 and kv_cache.shape[1] != page_size:
+        raise _fail("page_size", str(page_size), f"equal to kv_cache.shape[1] = {kv_cache.shape[1]}",
+                    f"pass page_size={kv_cache.shape[1]} or reshape the cache")
+
+    idx_supported = f"[T={num_tokens}, topk >= 1] int32 global slots on q's device"
+    _need_tensor("indices", indices, idx_supported)
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != num_tokens:
+        raise _fail("indices", _describe(indices), idx_supported,
+                    "pass one row of int32 global slot ids (page * page_size + row, -1 padded) per q token")
+    if indices.shape[1] < 1:
+        raise _fail("indices", _describe(indices), idx_supported, "pass at least one candidate per token")
+    _check_same_device("indices", indices, q)
+
+    if topk_length is not None:
+        len_supported = f"None or [T={num_tokens}] int32 on q's device"
+        _need_tensor("topk_length", topk_length, len_supported)
+        if topk_length.dtype != torch.int32 or tuple(topk_length.shape) != (num_tokens,):
+            raise _fail("topk_length", _describe(topk_length), len_supported,
+                        "pass one int32 valid-prefix length per token, or None")
+        _check_same_device("topk_length", topk_length, q)
+
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise _fail("sm_scale", _describe(sm_scale), "a positive finite Python float",
+                    "pass the layer's softmax scale as a float (float(layer.scaling)), not a tensor")
+    scale = float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise _fail("sm_scale", repr(sm_scale), "a positive finite Python float",
+                    "pass the layer's softmax scale")
+
+    if lse_base not in LSE_BASES:
+        raise _fail("lse_base", repr(lse_base), f"one of {LSE_BASES}",
+                    "pass 'e' for natural-log LSE (FlashMLA) or '2' for base-2 LSE (FlashInfer)")
+    if not isinstance(return_lse, bool):
+        raise _fail("return_lse", _describe(return_lse), "a bool", "pass True or False")
+
+    if out is not None:
+        out_supported = f"None or [{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] {q.dtype} on q's device"
+        _need_tensor("out", out, out_supported)
+        if tuple(out.shape) != (num_tokens, num_heads, layout.KV_LORA_RANK) or out.dtype != q.dtype:
+            raise _fail("out", _describe(out), out_supported, "pass an output buffer shaped like q with 512 columns")
+        _check_same_device("out", out, q)
+
+    if sink is not None:
+        sink_supported = f"None or [H={num_heads}] float32 on q's device"
+        _need_tensor("sink", sink, sink_supported)
+        if sink.dtype != torch.float32 or tuple(sink.shape) != (num_heads,):
+            raise _fail("sink", _describe(sink), sink_supported, "pass one float32 sink logit per head")
+        _check_same_device("sink", sink, q)
+
+    if scale_format is not None and scale_format not in layout.SCALE_FORMATS:
+        raise _fail("scale_format", repr(scale_format), f"None or one of {layout.SCALE_FORMATS}",
+                    "pass 'pow2' for DeepSeek-V3.2 caches or 'arbitrary' for GLM caches")
+    return scale
+
+
+def _load_kernel(name: str):
+    module_name, _, function = KERNEL_ENTRIES[name].partition(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
+def sparse_mla_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    kv_layout: str,
+    topk_length: torch.Tensor | None = None,
+    page_size: int = layout.PAGE_SIZE,
+    kernel: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_base: str = "e",
+    sink: torch.Tensor | None = None,
+    scale_format: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Validated sparse MLA; see :func:`mla_sm120_plugin.kernels.sparse_mla_forward` for the contract."""
+    scale = _validate(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
+                      topk_length=topk_length, page_size=page_size, out=out, return_lse=return_lse,
+                      lse_base=lse_base, sink=sink, scale_format=scale_format)
+    if kernel == "auto":
+        from mla_sm120_plugin.selection import choose_kernel_for_shape
+
+        kernel = choose_kernel_for_shape(
+            kv_layout=kv_layout, num_heads=q.shape[1], topk=indices.shape[1],
+            num_tokens=q.shape[0], device_type=q.device.type,
+        )
+    if kernel not in KERNEL_ENTRIES:
+        raise _fail("kernel", repr(kernel), f"'auto' or one of {KERNEL_NAMES}",
+                    "pass one of the listed kernel names")
+    kwargs = dict(sm_scale=scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink, out=out,
+                  return_lse=return_lse, lse_base=lse_base)
+    if kernel == FLASHINFER:
+        # Only FlashInfer needs the scale format: the others read each tile's stored scale.
+        if scale_format is None:
+            raise _fail("scale_format", "None", f"one of {layout.SCALE_FORMATS} for kernel={FLASHINFER!r}",
+                        "pass 'pow2' for DeepSeek-V3.2 caches or 'arbitrary' for GLM caches")
+        kwargs["scale_format"] = scale_format
+    return _load_kernel(kernel)(q, kv_cache, indices, **kwargs)

@@ -1,0 +1,89 @@
+"""Kernel-test helpers: random caches in either layout, and Triton's CPU interpreter when no GPU.
+
+``TRITON_INTERPRET`` must be set before triton defines any kernel, so it is set here, at import
+time, before a test module imports :mod:`mla_sm120_plugin.kernels.triton`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from mla_sm120_plugin.kernels import layout, pack
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T, H, 576]
+    kv_cache: torch.Tensor  # [P, page, W] (maybe a page-strided view)
+    indices: torch.Tensor  # [T, topk] int32
+    sm_scale: float
+    kv_layout: str
+    latent: torch.Tensor  # [P * page, 576] fp32, what was written (before quantization)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv_cache.shape[0] * self.kv_cache.shape[1]
+
+
+def paged_cache(num_pages: int, kv_layout: str, page_size: int, page_pad: int) -> torch.Tensor:
+    """A zeroed cache; with ``page_pad > 0`` a page-strided view (pages ``page_pad`` elements apart
+    more than packed), as vLLM's ``flat_kv_row_view`` can hand out. Pads keep 16-byte alignment."""
+    if page_pad == 0:
+        return pack.make_cache(num_pages, kv_layout, page_size)
+    width = pack.token_width(kv_layout)
+    base = torch.zeros(num_pages, page_size * width + page_pad, dtype=pack.cache_dtype(kv_layout))
+    return base.as_strided((num_pages, page_size, width), (page_size * width + page_pad, width, 1))
+
+
+def build_case(
+    *,
+    kv_layout: str = layout.FP8_DS_MLA,
+    num_pages: int = 3,
+    num_tokens: int = 4,
+    num_heads: int = 16,
+    topk: int = 64,
+    page_size: int = layout.PAGE_SIZE,
+    scale_format: str = layout.SCALE_ARBITRARY,
+    page_pad: int = 0,
+    invalid_fraction: float = 0.2,
+    q_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> Case:
+    """Random unit-scale tokens in every slot, random candidates with -1 and out-of-range ids."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = num_pages * page_size
+    # Tiles of different magnitudes, so a wrong per-tile scale shows.
+    tile_gain = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat_interleave(layout.FP8_TILE)
+    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen)
+    latent[:, : layout.KV_LORA_RANK] *= tile_gain
+    cache = paged_cache(num_pages, kv_layout, page_size, page_pad)
+    if kv_layout == layout.FP8_DS_MLA:
+        tokens = pack.quantize_fp8_ds_mla(latent, scale_format)
+    else:
+        tokens = pack.pack_bf16(latent)
+    pack.write_to_cache(cache, tokens, torch.arange(num_slots), page_size)
+
+    indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
+    drop = torch.rand(num_tokens, topk, generator=gen) < invalid_fraction
+    junk = torch.where(torch.rand(num_tokens, topk, generator=gen) < 0.5, -1, num_slots + 7)
+    indices = torch.where(drop, junk.to(torch.int32), indices)
+    q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=gen).to(q_dtype)
+    return Case(q, cache, indices, layout.HEAD_DIM**-0.5, kv_layout, latent)
+
+
+@pytest.fixture
+def make_case():
+    return build_case
+
+
+@pytest.fixture
+def make_paged_cache():
+    return paged_cache

@@ -1,0 +1,196 @@
+"""The torch reference against an independent dense formula, and its masking and memory contracts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.bench import LiveTensorPeak
+from mla_sm120_plugin.kernels.reference import bytes_per_token, tokens_per_chunk, torch_sparse_mla
+
+# Both sides compute in fp32 from the same dequantized values; only summation order differs.
+OUT_ATOL_FP32 = 1e-5
+LSE_ATOL = 1e-5
+
+
+def dense_formula(q, kv_cache, indices, sm_scale, kv_layout, topk_length=None, sink=None):
+    """Independent formula: every slot scored densely, each weighted by how often it is a valid
+    candidate (duplicates count twice), so no gather and no per-candidate softmax is involved."""
+    flat = pack.flat_view(kv_cache)  # [S, W]
+    keys = pack.dequantize_fp8_ds_mla(flat) if kv_layout == layout.FP8_DS_MLA else flat.double()
+    keys = keys.double()  # [S, 576]
+    num_slots = keys.shape[0]
+    num_tokens, topk = indices.shape
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < num_slots)
+    if topk_length is not None:
+        valid &= torch.arange(topk)[None, :] < topk_length.long()[:, None]
+    counts = torch.zeros(num_tokens, num_slots + 1, dtype=torch.float64)
+    counts.scatter_add_(1, torch.where(valid, idx, num_slots), valid.double())
+    counts = counts[:, :num_slots]  # [T, S]
+    scores = torch.einsum("thd,sd->ths", q.double(), keys) * sm_scale  # [T, H, S]
+    scores = scores.masked_fill(counts[:, None, :] == 0, -math.inf)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True).nan_to_num(neginf=0)) * counts[:, None, :]
+    total = weights.sum(-1)  # [T, H]
+    lse = torch.log(total) + scores.amax(-1).nan_to_num(neginf=0)
+    lse = torch.where(total > 0, lse, -math.inf)
+    out = (weights @ keys[:, : layout.KV_LORA_RANK]) / total.clamp(min=1e-300)[..., None]
+    if sink is not None:
+        out = out / (1 + torch.exp(sink.double()[None, :] - lse))[..., None]
+    return out, lse
+
+
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
+@pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
+def test_matches_dense_formula(make_case, kv_layout, scale_format):
+    case = make_case(kv_layout=kv_layout, scale_format=scale_format, num_tokens=6, num_heads=5, topk=90,
+                     q_dtype=torch.float32)
+    out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                kv_layout=kv_layout, return_lse=True)
+    ref_out, ref_lse = dense_formula(case.q, case.kv_cache, case.indices, case.sm_scale, kv_layout)
+    assert out.shape == (6, 5, layout.KV_LORA_RANK) and out.dtype == torch.float32
+    assert lse.shape == (6, 5) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=OUT_ATOL_FP32, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+def test_bf16_q_gives_bf16_out_rounded_from_fp32(make_case):
+    case = make_case(num_heads=3)
+    out = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                           kv_layout=case.kv_layout)
+    out32 = torch_sparse_mla(case.q.float(), case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                             kv_layout=case.kv_layout)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, out32.to(torch.bfloat16))
+
+
+def test_all_invalid_row_gives_zero_and_minus_inf(make_case):
+    case = make_case(num_tokens=3)
+    case.indices[1] = -1
+    case.indices[2] = case.num_slots  # every id out of range
+    out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                kv_layout=case.kv_layout, return_lse=True,
+                                sink=torch.zeros(case.q.shape[1]))
+    assert torch.all(out[1:] == 0) and torch.all(lse[1:] == -math.inf)
+    assert torch.all(torch.isfinite(lse[0])) and torch.any(out[0] != 0)
+
+
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
+def test_invalid_slots_are_never_read(make_case, kv_layout):
+    """Every slot not validly referenced holds NaN bytes, slot 0 (the stand-in) included."""
+    case = make_case(kv_layout=kv_layout, num_tokens=4, topk=40, invalid_fraction=0.4)
+    idx = case.indices.long()
+    referenced = torch.zeros(case.num_slots, dtype=torch.bool)
+    ok = (idx >= 0) & (idx < case.num_slots)
+    referenced[idx[ok]] = True
+    referenced[0] = False
+    case.indices[idx == 0] = -1
+    poisoned = case.kv_cache.clone()
+    rows = poisoned.view(-1, poisoned.shape[-1])[~referenced]
+    if kv_layout == layout.FP8_DS_MLA:
+        rows[:, : layout.KV_LORA_RANK] = 0x7F  # fp8 e4m3 NaN
+        rows[:, layout.FP8_SCALE_OFFSET : layout.FP8_ROPE_OFFSET] = 0xFF  # fp32 NaN
+    else:
+        rows[:] = float("nan")
+    poisoned.view(-1, poisoned.shape[-1])[~referenced] = rows
+    out, lse = torch_sparse_mla(case.q, poisoned, case.indices, sm_scale=case.sm_scale,
+                                kv_layout=kv_layout, return_lse=True)
+    clean = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale, kv_layout=kv_layout)
+    assert torch.all(torch.isfinite(out)) and not torch.any(torch.isnan(lse))
+    assert torch.equal(out, clean)
+
+
+def test_topk_length_masks_the_tail(make_case):
+    case = make_case(num_tokens=4, topk=50, invalid_fraction=0.0)
+    lengths = torch.tensor([50, 17, 0, 80], dtype=torch.int32)  # full, prefix, none, longer than topk
+    out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                kv_layout=case.kv_layout, topk_length=lengths, return_lse=True)
+    truncated = case.indices.clone()
+    truncated[1, 17:] = -1
+    truncated[2, :] = -1
+    ref_out, ref_lse = torch_sparse_mla(case.q, case.kv_cache, truncated, sm_scale=case.sm_scale,
+                                        kv_layout=case.kv_layout, return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert lse[2, 0].item() == -math.inf
+
+
+def test_sink_and_lse_base(make_case):
+    case = make_case(num_tokens=5, num_heads=4, q_dtype=torch.float32)
+    sink = torch.tensor([-1.0, 0.0, 2.5, 30.0])
+    out, lse_e = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                  kv_layout=case.kv_layout, sink=sink, return_lse=True)
+    plain, lse_plain = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                        kv_layout=case.kv_layout, return_lse=True)
+    _, lse_2 = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                kv_layout=case.kv_layout, return_lse=True, lse_base="2")
+    ref_out, _ = dense_formula(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout, sink=sink)
+    torch.testing.assert_close(out.double(), ref_out, atol=OUT_ATOL_FP32, rtol=0)
+    expected = plain * torch.sigmoid(lse_plain - sink)[..., None]  # 1/(1+exp(sink-lse))
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(lse_e, lse_plain), "the sink must not change lse"
+    torch.testing.assert_close(lse_2, lse_e * math.log2(math.e), atol=1e-5, rtol=0)
+
+
+def test_out_buffer_and_page_strided_and_flat_caches(make_case):
+    case = make_case(page_pad=48, num_tokens=3)
+    out = torch.full((3, 16, layout.KV_LORA_RANK), 7.0, dtype=torch.bfloat16)
+    got = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                           kv_layout=case.kv_layout, out=out)
+    assert got is out
+    packed = case.kv_cache.contiguous()
+    flat = pack.flat_view(packed)
+    for cache in (packed, flat):
+        again = torch_sparse_mla(case.q, cache, case.indices, sm_scale=case.sm_scale, kv_layout=case.kv_layout)
+        assert torch.equal(again, out)
+
+
+def test_chunking_is_invisible(make_case):
+    # Chunks change only the batch size of the fp32 matmuls; CPU BLAS may then sum in another
+    # order, so results agree to fp32 rounding rather than bit for bit.
+    case = make_case(num_tokens=11, num_heads=6, topk=70, q_dtype=torch.float32)
+    one, lse_one = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                    kv_layout=case.kv_layout, return_lse=True, max_chunk_bytes=1 << 40)
+    per_token = bytes_per_token(6, 70, case.kv_layout)
+    for chunk in (1, 3, 4):
+        out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                                    kv_layout=case.kv_layout, return_lse=True,
+                                    max_chunk_bytes=chunk * per_token)
+        torch.testing.assert_close(out, one, atol=1e-4, rtol=1e-5, msg=f"chunk of {chunk} tokens")
+        torch.testing.assert_close(lse, lse_one, atol=1e-5, rtol=1e-6, msg=f"chunk of {chunk} tokens")
+
+
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
+def test_chunk_size_respects_bound(kv_layout):
+    for heads, topk in [(1, 1), (16, 2048), (128, 2048), (64, 512)]:
+        per_token = bytes_per_token(heads, topk, kv_layout)
+        for bound in (per_token // 2, per_token, 10 * per_token + 1, 1 << 30):
+            chunk = tokens_per_chunk(heads, topk, kv_layout, bound)
+            assert chunk >= 1
+            assert chunk * per_token <= max(bound, per_token)
+            assert (chunk + 1) * per_token > bound, "chunks should use the budget they are given"
+    # The motivating case: 4096 tokens x topk 2048 fp32 keys alone is ~19 GB; chunked, bounded.
+    assert 4096 * 2048 * layout.HEAD_DIM * 4 > 19e9
+
+
+def test_measured_peak_stays_under_bound(make_case):
+    # LiveTensorPeak counts op-created tensors alive at once; scratch inside a single op is not
+    # seen, which the bound covers with margin (see bytes_per_token).
+    case = make_case(num_tokens=24, num_heads=16, topk=256)
+    out = torch.empty(24, 16, layout.KV_LORA_RANK, dtype=torch.bfloat16)
+    inputs = [case.q, case.kv_cache, case.indices, out]
+    per_token = bytes_per_token(16, 256, case.kv_layout)
+    bound = 4 * per_token
+
+    def peak(max_chunk_bytes: int) -> int:
+        with LiveTensorPeak(inputs) as mode:
+            torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
+                             kv_layout=case.kv_layout, out=out, max_chunk_bytes=max_chunk_bytes)
+        return mode.peak
+
+    lse_bytes = 24 * 16 * 4  # the [T, H] lse buffer, allocated once
+    assert peak(bound) <= bound + lse_bytes
+    # The same measurement sees a full gather blow through that bound: the check can fail.
+    assert peak(1 << 40) > 3 * bound
