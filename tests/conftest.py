@@ -1,12 +1,22 @@
-"""Shared fixtures: a fresh plugin registry and probe cache around every test."""
+"""Shared fixtures: a fresh plugin registry and probe cache around every test.
+
+Without a GPU, Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must be set
+before triton is first imported (vLLM imports it too), so it is set here, before any test module.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+import os
+import shutil
 
-import pytest
+if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -1,17 +1,8 @@
-"""Kernel-test helpers: random caches in either layout, and Triton's CPU interpreter when no GPU.
-
-``TRITON_INTERPRET`` must be set before triton defines any kernel, so it is set here, at import
-time, before a test module imports :mod:`mla_sm120_plugin.kernels.triton`.
-"""
+"""Kernel-test helpers: random caches in either layout (tests/conftest.py sets TRITON_INTERPRET)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
-
-if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,0 +1,147 @@
+"""The impl's forward_mqa on the CPU, inside real vLLM objects.
+
+vLLM's own metadata builder turns a real CommonAttentionMetadata (2 decode requests, 2 prefill
+requests) into the metadata forward_mqa reads; decode rows run the Triton kernel (interpreter),
+prefill rows the torch reference. The result is checked against a float64 dense computation
+written here from FACTS §4, on a cache whose pages sit 128 rows apart (vLLM interleaves other
+layers' pages), with 5 heads and an index top-k of 100 (not a multiple of 64).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import make_vllm_config, selector_kwargs, write_model
+from vllm.config import set_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, MlaSm120Impl
+from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
+
+HEADS, TOPK, PAGE, STRIDE_ROWS, NUM_BLOCKS = 5, 100, 64, 128, 12
+Q_LENS = [1, 1, 5, 3]  # decodes first, as vLLM reorders them
+SEQ_LENS = [70, 130, 5, 66]
+BLOCK_TABLE = [[3, 7, 0], [1, 2, 9], [5, 0, 0], [4, 6, 0]]
+LAYER = "model.layers.0.self_attn.attn"
+# Triton (interpreter, fp32 accumulate) and the reference against float64 on unit-scale data.
+OUT_ATOL = 2e-2
+
+
+@pytest.fixture
+def cpu_vllm(monkeypatch):
+    """What vLLM's CPU-less platform lacks, set the narrowest way: no pinned memory, TP of 1."""
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sma
+
+    monkeypatch.setattr(sma, "PIN_MEMORY", False)
+    monkeypatch.setattr(sma, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _common_metadata() -> CommonAttentionMetadata:
+    qsl = torch.zeros(len(Q_LENS) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(Q_LENS), 0)
+    bt = torch.tensor(BLOCK_TABLE, dtype=torch.int32)
+    slots = [int(bt[r, p // PAGE]) * STRIDE_ROWS + p % PAGE
+             for r, (ql, sl) in enumerate(zip(Q_LENS, SEQ_LENS)) for p in range(sl - ql, sl)]
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(SEQ_LENS, dtype=torch.int32),
+        num_reqs=len(Q_LENS), num_actual_tokens=sum(Q_LENS), max_query_len=max(Q_LENS),
+        max_seq_len=max(SEQ_LENS), block_table_tensor=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        causal=True, seq_lens_cpu_upper_bound=torch.tensor(SEQ_LENS, dtype=torch.int32),
+        is_prefilling=torch.tensor([q > 1 for q in Q_LENS]),
+    )
+    # token_to_req_indices() is a vLLM Triton kernel that vLLM only imports with a GPU driver;
+    # its cache is the documented way to hand the mapping over.
+    cam._token_to_req_indices_cache = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS)).int()
+    return cam
+
+
+def _logical_topk(gen: torch.Generator) -> torch.Tensor:
+    """Per token: random causal positions in its request, some duplicated, -1 padded."""
+    rows = []
+    for ql, sl in zip(Q_LENS, SEQ_LENS):
+        for i in range(ql):
+            visible = sl - ql + i + 1
+            k = min(TOPK, visible)
+            pos = torch.randperm(visible, generator=gen)[:k]
+            if k > 3:
+                pos[-1] = pos[0]  # a duplicate slot counts twice
+            row = torch.full((TOPK,), -1, dtype=torch.int32)
+            row[torch.randperm(TOPK, generator=gen)[:k]] = pos.int()
+            rows.append(row)
+    return torch.stack(rows)
+
+
+def _dense_expected(q, cache_rows_f64, logical, scale) -> torch.Tensor:
+    """FACTS §4 per token, in float64, straight from block table and logical positions."""
+    out = torch.zeros(q.shape[0], HEADS, 512, dtype=torch.float64)
+    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
+    for t in range(q.shape[0]):
+        r = int(req_of[t])
+        pos = logical[t][logical[t] >= 0].long()
+        if pos.numel() == 0:
+            continue
+        slots = torch.tensor([BLOCK_TABLE[r][int(p) // PAGE] * STRIDE_ROWS + int(p) % PAGE for p in pos])
+        k = cache_rows_f64[slots]  # [n, 576]
+        s = scale * (q[t].double() @ k.T)  # [H, n]
+        out[t] = torch.softmax(s, dim=-1) @ k[:, :512]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_ds_mla", "bfloat16"])
+def test_forward_mqa_mixed_batch_matches_dense_math(tmp_path, cpu_vllm, kv_dtype):
+    gen = torch.Generator().manual_seed(0)
+    model = write_model(tmp_path, "glm", index_topk=TOPK, heads=HEADS)
+    vc = make_vllm_config(model, cache_dtype=kv_dtype, enforce_eager=True,
+                          additional_config={"mla_sm120": {"decode_kernel": TRITON, "prefill_kernel": TORCH}})
+    layout_width = 656 if kv_dtype == "fp8_ds_mla" else 576
+    vc.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
+    spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
+        block_size=PAGE, num_kv_heads=1, head_size=576,
+        dtype=torch.uint8 if kv_dtype == "fp8_ds_mla" else torch.bfloat16, cache_dtype_str=kv_dtype,
+        kv_quant_mode=get_kv_quant_mode(kv_dtype), state_content_bytes=656 if kv_dtype == "fp8_ds_mla" else None,
+        topk_buffer_width=TOPK, is_index_group_leader=True,
+    ))
+    scale = (192 + 64) ** -0.5
+    topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32)
+    with set_current_vllm_config(vc):
+        assert MlaSm120Backend.validate_configuration(**selector_kwargs(kv_dtype, (12, 0))) == []
+        impl = MlaSm120Impl(
+            num_heads=HEADS, head_size=576, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype=kv_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
+            v_head_dim=256, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
+        )
+        builder = MlaSm120Backend.get_builder_cls()(spec, [LAYER], vc, torch.device("cpu"))
+        md = builder.build(common_prefix_len=0, common_attn_metadata=_common_metadata())
+    assert impl.decision.decode == TRITON and impl.decision.prefill == TORCH
+    # Our builder counts only true decodes as decode rows: the 5- and 3-token prefills are prefill.
+    assert (md.num_decode_tokens, md.num_prefills) == (2, 2)
+
+    # The cache: pages 128 rows apart in one allocation, as vLLM lays out interleaved layers.
+    latent = torch.randn(NUM_BLOCKS * STRIDE_ROWS, 576, generator=gen)
+    if kv_dtype == "fp8_ds_mla":
+        rows = quantize_fp8_ds_mla(latent, "arbitrary")
+        rows_f64 = dequantize_fp8_ds_mla(rows).double()
+    else:
+        rows = pack_bf16(latent)
+        rows_f64 = rows.double()
+    backing = rows.view(NUM_BLOCKS, STRIDE_ROWS, layout_width)
+    kv_cache = backing[:, :PAGE]  # [blocks, 64, C], block stride 128 rows
+    assert kv_cache.stride(0) == STRIDE_ROWS * layout_width
+
+    n = sum(Q_LENS)
+    logical = _logical_topk(gen)
+    topk_buffer[:n] = logical
+    ql_nope = torch.randn(HEADS, n, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)  # strided, as vLLM
+    q_pe = torch.randn(n, HEADS, 64, generator=gen).to(torch.bfloat16)
+    out, lse = impl.forward_mqa((ql_nope, q_pe), kv_cache, md, layer=None)
+
+    assert lse is None and out.shape == (n, HEADS, 512) and out.dtype == torch.bfloat16
+    expected = _dense_expected(torch.cat([ql_nope, q_pe], dim=-1).float(), rows_f64, logical, scale)
+    err = (out.double() - expected).abs().max().item()
+    assert err <= OUT_ATOL, f"max abs error {err} > {OUT_ATOL}"
