@@ -168,7 +168,6 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     ctx = dataclasses.replace(ctx, kv_scale_format=scale_format)
 
     chosen: dict[str, str] = {}
-    entries: dict[str, str] = {}
     rejections: list[Rejection] = []
     problems: list[str] = []
     skipped = False
@@ -201,7 +200,6 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 )
             pick = override or names[0]
         chosen[phase] = pick
-        entries[phase] = reg.kernels[pick].entry
         for name, reasons in rejected.items():
             rejections.append(Rejection(name, phase, reasons))
         for name in names:
@@ -226,7 +224,6 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
         context=ctx,
         profile=profile,
         kernels=chosen,
-        entries=entries,
         scale_format=scale_format,
         rejections=tuple(rejections),
         notes=notes,

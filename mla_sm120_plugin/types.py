@@ -322,7 +322,6 @@ class Decision:
     :param context: what was decided for.
     :param profile: the model profile that matched ``context.model_arch``.
     :param kernels: phase -> kernel name.
-    :param entries: phase -> the kernel's ``"module:function"`` entry.
     :param scale_format: the resolved fp8 scale format.
     :param rejections: every kernel not chosen, per phase, with its reasons.
     :param notes: things worth a log line that are not rejections (skipped probes).
@@ -331,7 +330,6 @@ class Decision:
     context: SelectionContext
     profile: ModelProfile
     kernels: Mapping[str, str]
-    entries: Mapping[str, str]
     scale_format: str
     rejections: tuple[Rejection, ...] = ()
     notes: tuple[str, ...] = ()

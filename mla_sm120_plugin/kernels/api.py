@@ -7,7 +7,6 @@ the argument, what is supported and what was given.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 
@@ -15,12 +14,9 @@ import torch
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, FLASHINFER_SPEC, TORCH_SPEC, TRITON_SPEC
+from mla_sm120_plugin.kernels.binding import bind
 
-# Kernel name -> "module:function", from the catalog's specs (the one place names and entries are
-# written); imported only when first called, so asking for the reference never imports triton.
-KERNEL_ENTRIES = {spec.name: spec.entry for spec in (FLASHINFER_SPEC, TRITON_SPEC, TORCH_SPEC)}
-KERNEL_NAMES = tuple(KERNEL_ENTRIES)
+
 LSE_BASES = ("e", "2")
 MAX_HEADS = 128
 
@@ -135,11 +131,6 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
     return scale
 
 
-def _load_kernel(name: str):
-    module_name, _, function = KERNEL_ENTRIES[name].partition(":")
-    return getattr(importlib.import_module(module_name), function)
-
-
 def sparse_mla_forward(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -167,15 +158,21 @@ def sparse_mla_forward(
             kv_layout=kv_layout, num_heads=q.shape[1], topk=indices.shape[1],
             num_tokens=q.shape[0], device_type=q.device.type,
         )
-    if kernel not in KERNEL_ENTRIES:
-        raise _fail("kernel", repr(kernel), f"'auto' or one of {KERNEL_NAMES}",
+    from mla_sm120_plugin.hooks.manager import get_registry
+
+    known = get_registry().kernels
+    if not isinstance(kernel, str) or kernel not in known:
+        raise _fail("kernel", repr(kernel), f"'auto' or one of {sorted(known)}",
                     "pass one of the listed kernel names")
+    bound = bind(kernel)
     kwargs = dict(sm_scale=scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink, out=out,
                   return_lse=return_lse, lse_base=lse_base)
-    if kernel == FLASHINFER:
-        # Only FlashInfer needs the scale format: the others read each tile's stored scale.
-        if scale_format is None:
-            raise _fail("scale_format", "None", f"one of {layout.SCALE_FORMATS} for kernel={FLASHINFER!r}",
+    if bound.takes_scale_format:
+        # Only kernels that hand the format to native code take it (FlashInfer); the others read
+        # each tile's stored scale as a value.
+        if scale_format is None and bound.needs_scale_format:
+            raise _fail("scale_format", "None", f"one of {layout.SCALE_FORMATS} for kernel={kernel!r}",
                         "pass 'pow2' for DeepSeek-V3.2 caches or 'arbitrary' for GLM caches")
-        kwargs["scale_format"] = scale_format
-    return _load_kernel(kernel)(q, kv_cache, indices, **kwargs)
+        if scale_format is not None:
+            kwargs["scale_format"] = scale_format
+    return bound.fn(q, kv_cache, indices, **kwargs)

@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.kernels import layout, pack
 from mla_sm120_plugin.kernels.reference import DEFAULT_MAX_CHUNK_BYTES, torch_sparse_mla
 
@@ -273,7 +274,7 @@ def _gpu_results(device: str, quick: bool, peak_gbps: float | None) -> dict[str,
             if peak:
                 row["roofline_us"] = kv_bytes / (peak * 1e9) * 1e6
             ref = torch_sparse_mla(**inputs)
-            for kernel in api.KERNEL_NAMES:
+            for kernel in BUILTIN_KERNELS:
                 extra = {"scale_format": layout.SCALE_ARBITRARY} if kernel == "flashinfer_sparse_mla" else {}
 
                 def fn(kernel=kernel, extra=extra):

@@ -7,7 +7,7 @@ import torch
 
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels import layout, sparse_mla_forward
-from mla_sm120_plugin.kernels.api import KERNEL_NAMES
+from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS as KERNEL_NAMES
 from mla_sm120_plugin.kernels.reference import torch_sparse_mla
 
 T, H, TOPK = 3, 4, 20

@@ -9,10 +9,8 @@ binds that decision once and only dispatches at forward time.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import logging
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
@@ -31,6 +29,7 @@ from ... import config as config_mod
 from ... import device as device_mod
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
+from ...kernels.binding import BoundKernel, bind
 from ...kernels.layout import BF16, FP8_DS_MLA, HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
 from ...modelinfo import facts_from_hf_config
 from ...selection import select
@@ -186,12 +185,6 @@ class MlaSm120Backend(AttentionBackend):
         return super().validate_configuration(**kwargs)
 
 
-def _bind(entry: str) -> tuple[Callable[..., Any], bool]:
-    module, _, name = entry.partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    return fn, "scale_format" in inspect.signature(fn).parameters
-
-
 class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
     """Binds the decided kernel per phase; ``forward_mqa`` only converts indices and dispatches."""
 
@@ -211,31 +204,26 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         self.decision = decide(vllm_config, self.kv_cache_dtype, *cap)
         ctx = self.decision.context
         self.kv_layout = ctx.kv_cache_dtype
-        self._kernels: dict[str, tuple[Callable[..., Any], bool, bool]] = {}
-        reg = get_registry()
-        for phase in (DECODE, PREFILL):
-            name = self.decision.kernels[phase]
-            fn, takes_format = _bind(self.decision.entries[phase])
-            self._kernels[phase] = (fn, takes_format, reg.kernels[name].graph_safe)
+        self._kernels: dict[str, BoundKernel] = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
         self._single_kernel = self.decision.decode == self.decision.prefill
         if ctx not in _logged:
             _logged.add(ctx)
             logger.info("%s", self.decision.log_line())
 
     def _run(self, phase: str, q: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-        fn, takes_format, graph_safe = self._kernels[phase]
-        if not graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        kernel = self._kernels[phase]
+        if not kernel.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise KernelUnavailable(
                 format_error(
-                    f"{self.decision.kernels[phase]} ({phase}) reached during CUDA graph capture",
+                    f"{kernel.name} ({phase}) reached during CUDA graph capture",
                     "graph-safe kernels inside captured decode",
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
         kwargs: dict[str, Any] = {"sm_scale": self.scale, "kv_layout": self.kv_layout, "out": out}
-        if takes_format:
+        if kernel.takes_scale_format:
             kwargs["scale_format"] = self.decision.scale_format
-        fn(q, kv_rows, slots, **kwargs)
+        kernel.fn(q, kv_rows, slots, **kwargs)
 
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
         """Sparse MQA over the DSA cache for every row of the batch.
