@@ -82,19 +82,27 @@ def _from_torch() -> DeviceInfo | None:
     return None
 
 
+def find_nvcc() -> str | None:
+    """nvcc where FlashInfer's JIT looks: $CUDA_HOME / $CUDA_PATH, then PATH, then /usr/local/cuda."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
 @functools.cache
-def _cuda_toolkit_version() -> str | None:
-    nvcc = shutil.which("nvcc") or (
-        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
-    )
-    if nvcc is None or not os.path.exists(nvcc):
-        return None
+def nvcc_version(nvcc: str) -> str | None:
+    """``"12.8"``-style release of an nvcc binary, or None when it does not answer."""
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10).stdout
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    m = re.search(r"release (\d+\.\d+)", out)
-    return m.group(1) if m else None
+    match = re.search(r"release (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+def _cuda_toolkit_version() -> str | None:
+    nvcc = find_nvcc()
+    return nvcc_version(nvcc) if nvcc else None
 
 
 @functools.cache

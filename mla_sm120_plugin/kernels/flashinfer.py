@@ -29,12 +29,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import os
 import re
-import shutil
-import subprocess
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..device import find_nvcc, nvcc_version
 from ..errors import KernelInputError, KernelUnavailable, format_error
 from . import layout
 
@@ -178,22 +176,6 @@ def _module_prebuilt(sm: tuple[int, int] | None) -> bool:
         return False
 
 
-def _find_nvcc() -> str | None:
-    """nvcc where FlashInfer's JIT looks: $CUDA_HOME / $CUDA_PATH, then PATH, then /usr/local/cuda."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidates = [os.path.join(home, "bin", "nvcc")] if home else [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
-def _nvcc_version(nvcc: str) -> str | None:
-    try:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"release (\d+\.\d+)", text)
-    return match.group(1) if match else None
-
-
 def _toolchain_reasons(sm: tuple[int, int] | None) -> tuple[str, ...]:
     arch = f"sm_{sm[0]}{sm[1]}a" if sm is not None else "sm_120a"
     need = _min_cuda(sm)
@@ -203,13 +185,13 @@ def _toolchain_reasons(sm: tuple[int, int] | None) -> tuple[str, ...]:
     )
     if importlib.util.find_spec("flashinfer_jit_cache") is not None and sm is None:
         return ()  # cannot tell without the GPU whether it covers sm_12x; the GPU reason is given
-    nvcc = _find_nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         return (
             "no nvcc to JIT-compile the kernels (looked in $CUDA_HOME, $CUDA_PATH, PATH, /usr/local/cuda) "
             f"and no prebuilt sparse_mla_sm120 module: install CUDA toolkit >= {need} for {arch}, {cache_fix}",
         )
-    version = _nvcc_version(nvcc)
+    version = nvcc_version(nvcc)
     if version is None or not _version_at_least(version, need):
         return (
             f"{nvcc} is CUDA {version or 'of unknown version'}; JIT-compiling for {arch} needs CUDA >= {need}: "
