@@ -140,3 +140,23 @@ def test_broken_third_party_plugin_yields_named_error(demo_plugin_path, broken, 
     for needle in needles:
         assert needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_every_hookspec_is_typed_and_documented():
+    import inspect
+
+    from mla_sm120_plugin.hooks import specs
+
+    names = [n for n in dir(specs) if n.startswith("mla_sm120_")]
+    assert sorted(names) == ["mla_sm120_kernels", "mla_sm120_model_profiles", "mla_sm120_select", "mla_sm120_validate"]
+    for name in names:
+        fn = getattr(specs, name)
+        doc = inspect.getdoc(fn) or ""
+        sig = inspect.signature(fn)
+        assert sig.return_annotation is not inspect.Signature.empty, name
+        assert ":returns:" in doc, name
+        for param in sig.parameters:
+            assert f":param {param}:" in doc, (name, param)
+            assert sig.parameters[param].annotation is not inspect.Parameter.empty, (name, param)
+        firstresult = fn.mla_sm120_spec["firstresult"]
+        assert ("Stops at the first non-None result" in doc) == firstresult, name
