@@ -116,3 +116,12 @@ def test_config_file_override_matches_the_model_name(tmp_path, monkeypatch):
     vc = make_vllm_config(model, additional_config={"mla_sm120": {"config_file": str(bad)}})
     with pytest.raises(ConfigError, match="decode_kernal"):
         _validate(vc)
+
+
+def test_hisparse_is_refused_before_weights_load(tmp_path):
+    from vllm.config.attention import HiSparseConfig
+
+    vc = make_vllm_config(write_model(tmp_path, "glm"))
+    vc.attention_config.hisparse_config = HiSparseConfig()
+    with pytest.raises(UnsupportedConfiguration, match="hisparse_config is set"):
+        _validate(vc)

@@ -96,8 +96,6 @@ def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int)
     :raises ConfigError: the plugin config (inline or file) is malformed.
     """
     ctx = _context_from_vllm(vllm_config, kv_cache_dtype, major, minor)
-    if ctx in _decisions:
-        return _decisions[ctx]
     if major not in SERVED_SM_FAMILIES:
         raise UnsupportedConfiguration(
             format_error(
@@ -106,9 +104,20 @@ def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int)
                 "drop --attention-backend CUSTOM: on this GPU vLLM's own sparse-MLA backends serve DSA models",
             )
         )
-    decision = select(ctx)
-    _decisions[ctx] = decision
-    return decision
+    attention_config = getattr(vllm_config, "attention_config", None)
+    if getattr(attention_config, "hisparse_config", None) is not None:
+        # HiSparse writes the cache through another path and remaps top-k through its own index
+        # group; neither is what our kernels read.
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: attention_config.hisparse_config is set",
+                "the standard DSA cache and top-k path (no HiSparse)",
+                "drop the HiSparse attention config, or use vLLM's in-tree sparse-MLA backend for it",
+            )
+        )
+    if ctx not in _decisions:
+        _decisions[ctx] = select(ctx)
+    return _decisions[ctx]
 
 
 class MlaSm120MetadataBuilder(FlashInferMLASparseMetadataBuilder):
