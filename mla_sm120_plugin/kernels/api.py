@@ -45,6 +45,15 @@ def _check_same_device(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
         raise _fail(name, _describe(x), f"on q's device {q.device}", f"move {name} to {q.device}")
 
 
+def _check_optional(name: str, x: object, q: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
+                    supported: str, fix: str) -> None:
+    """An optional tensor argument: a tensor of exactly ``dtype`` and ``shape`` on q's device."""
+    _need_tensor(name, x, supported)
+    if x.dtype != dtype or tuple(x.shape) != shape:
+        raise _fail(name, _describe(x), supported, fix)
+    _check_same_device(name, x, q)
+
+
 def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_size, out,
               return_lse, lse_base, sink, scale_format) -> float:
     """Check every argument against the contract; returns sm_scale as a float."""
@@ -90,16 +99,13 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
     _check_same_device("indices", indices, q)
 
     if topk_length is not None:
-        len_supported = f"None or [T={num_tokens}] int32 on q's device"
-        _need_tensor("topk_length", topk_length, len_supported)
-        if topk_length.dtype != torch.int32 or tuple(topk_length.shape) != (num_tokens,):
-            raise _fail("topk_length", _describe(topk_length), len_supported,
+        _check_optional("topk_length", topk_length, q, torch.int32, (num_tokens,),
+                        f"None or [T={num_tokens}] int32 on q's device",
                         "pass one int32 valid-prefix length per token, or None")
-        _check_same_device("topk_length", topk_length, q)
 
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise _fail("sm_scale", _describe(sm_scale), "a positive finite Python float",
-                    "pass the layer's softmax scale as a float (float(layer.scaling)), not a tensor")
+                    "pass the layer's softmax scale as a float (vLLM: impl.scale), not a tensor")
     scale = float(sm_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise _fail("sm_scale", repr(sm_scale), "a positive finite Python float",
@@ -112,18 +118,13 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
         raise _fail("return_lse", _describe(return_lse), "a bool", "pass True or False")
 
     if out is not None:
-        out_supported = f"None or [{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] {q.dtype} on q's device"
-        _need_tensor("out", out, out_supported)
-        if tuple(out.shape) != (num_tokens, num_heads, layout.KV_LORA_RANK) or out.dtype != q.dtype:
-            raise _fail("out", _describe(out), out_supported, "pass an output buffer shaped like q with 512 columns")
-        _check_same_device("out", out, q)
+        _check_optional("out", out, q, q.dtype, (num_tokens, num_heads, layout.KV_LORA_RANK),
+                        f"None or [{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] {q.dtype} on q's device",
+                        "pass an output buffer shaped like q with 512 columns")
 
     if sink is not None:
-        sink_supported = f"None or [H={num_heads}] float32 on q's device"
-        _need_tensor("sink", sink, sink_supported)
-        if sink.dtype != torch.float32 or tuple(sink.shape) != (num_heads,):
-            raise _fail("sink", _describe(sink), sink_supported, "pass one float32 sink logit per head")
-        _check_same_device("sink", sink, q)
+        _check_optional("sink", sink, q, torch.float32, (num_heads,),
+                        f"None or [H={num_heads}] float32 on q's device", "pass one float32 sink logit per head")
 
     if scale_format is not None and scale_format not in layout.SCALE_FORMATS:
         raise _fail("scale_format", repr(scale_format), f"None or one of {layout.SCALE_FORMATS}",
