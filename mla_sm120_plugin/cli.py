@@ -36,9 +36,6 @@ def _check(args: argparse.Namespace) -> int:
         flags or None, kernel_names=reg.kernels, config_file=args.config, inline_label="command-line flags"
     )
     settings = cfg.for_model(facts.name, facts.arch)
-    forced_by = ", ".join(
-        f"{k} from {settings.origin(k)}" for k in config_mod.KERNEL_KEYS if getattr(settings, k) != "auto"
-    ) or "config"
     kv = KV_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
     ctx = SelectionContext(
         model_arch=facts.arch,
@@ -53,7 +50,7 @@ def _check(args: argparse.Namespace) -> int:
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
-        forced_by=forced_by,
+        forced_by=settings.forced_by(),
     )
     decision = select(ctx, registry=reg)
     print(json.dumps(decision_to_dict(decision), indent=2) if args.json else explain(decision))

@@ -58,6 +58,12 @@ class Settings:
     def origin(self, key: str) -> str:
         return self.origins.get(key, "default")
 
+    def forced_by(self) -> str:
+        """Where each forced kernel came from, for selection errors (``"config"`` if none is forced)."""
+        return ", ".join(
+            f"{k} from {self.origin(k)}" for k in KERNEL_KEYS if getattr(self, k) != AUTO
+        ) or "config"
+
 
 @dataclass(frozen=True)
 class _Layer:

@@ -11,7 +11,6 @@ reason, what can run instead, and the fix. :func:`explain` renders the same data
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from .errors import PluginError, UnsupportedConfiguration, format_error
@@ -335,8 +334,3 @@ def explain(decision: Decision) -> str:
             lines.append(f"{'':<8} {r.kernel:<24} rejected: {'; '.join(r.reasons)}")
     lines.extend(f"note: {n}" for n in decision.notes)
     return "\n".join(lines)
-
-
-def dumps(decision: Decision) -> str:
-    return json.dumps(decision_to_dict(decision), indent=2)
-

@@ -64,9 +64,6 @@ def _context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int,
         facts = dataclasses.replace(facts, arch=model_config.architectures[0])
     inline = (vllm_config.additional_config or {}).get(config_mod.ADDITIONAL_CONFIG_KEY)
     settings = config_mod.load_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
-    forced_by = ", ".join(
-        f"{k} from {settings.origin(k)}" for k in config_mod.KERNEL_KEYS if getattr(settings, k) != "auto"
-    ) or "plugin config"
     sched = vllm_config.scheduler_config
     spec = vllm_config.speculative_config
     decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
@@ -85,7 +82,7 @@ def _context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int,
         max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
         max_prefill_tokens=sched.max_num_batched_tokens,
         cuda_graphs=cuda_graphs,
-        forced_by=forced_by,
+        forced_by=settings.forced_by(),
     )
 
 
