@@ -2,35 +2,43 @@
 
 Same semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla` (FACTS.md section 4).
 
-Structure. One program handles one query token, one block of heads and one range of top-k
-candidates (a *split*). It walks its range ``BLOCK_K`` candidates at a time with an online softmax
-in fp32 (scores pre-multiplied by ``log2(e)`` so it can use ``exp2``). The 576-wide head is never
-held whole: scores are summed over the four 128-wide latent tiles plus the 64-wide rope tile, and
-the output is kept as four 128-wide accumulators.
+Structure. One program handles one query token, a block of ``BLOCK_H`` heads and one range of
+top-k candidates (a *split*). It walks its range ``BLOCK_K`` candidates at a time with an online
+softmax in fp32 (scores pre-multiplied by ``log2(e)`` so it can use ``exp2``). Every candidate a
+program loads serves all heads of its block.
 
 * Prefill (many tokens): one split, so the program writes the final output directly.
 * Decode (few tokens): top-k is cut into splits so that enough programs exist to fill the GPU; each
-  writes a normalized partial output and its base-2 LSE, and :func:`_combine_kernel` merges them.
+  writes a normalized fp32 partial output and its base-2 LSE, and :func:`_combine_kernel` merges them.
 
-Invalid candidates (-1, outside ``[0, num_slots)``, or at positions ``>= topk_length[t]``) are
-masked in every load, so their bytes are never read, and get score ``-inf``.
+Registers. The 576-wide head is never held whole: the scores are summed over the four 128-wide
+latent tiles plus the 64-wide rope tile, and the output is four ``[BLOCK_H, 128]`` fp32
+accumulators. q is *not* kept in registers across the loop: a 16-row slab of a 576-wide bf16 q
+is 144 registers per thread in every warp that multiplies with it, which is what made the first
+version spill. Each step reloads its q tile (from L1; the cache bytes dominate the traffic), and
+the value tiles are re-read after the softmax (the same bytes as the key tiles, an L1 hit)
+instead of keeping a 64 x 512 key block live through it.
 
-Shared memory on SM120 (99 KB a block), estimated, not measured: with ``BLOCK_K = 64`` and
-``BLOCK_H <= 32``, the largest live dot operands are one 128 x 64 key tile (16 KB in bf16) and one
-``BLOCK_H`` x 128 query tile (8 KB at 32 heads); the P @ V dot adds a ``BLOCK_H`` x 64 probability
-tile (4 KB) and a 64 x 128 value tile (16 KB). Even double-buffered that is under 90 KB. On a GPU,
-``benchmarks/bench_kernels.py`` reports the compiled kernel's real shared-memory size.
+Numerics. Dot operands are bfloat16 on a GPU (fp8 keys and bf16 rope/cache/q convert exactly;
+the probabilities round to 8 bits) with fp32 accumulation; each 128-wide tile's fp8 scale is
+applied to the fp32 scores and to the probabilities, never folded into a rounded key. An fp32 q
+is rounded to bfloat16 for its dot.
 
-CPU. Under ``TRITON_INTERPRET=1`` it runs on numpy, which has no bfloat16 arithmetic, so every
-bfloat16 value (q, rope, the bf16 cache, the bf16 output) is moved as raw int16 bits: widened by
-shifting into the high half of an int32 and bitcasting (exact), and narrowed with an integer
-round-to-nearest-even (what torch does). Dots then run in fp32 on the CPU; on a GPU their operands
-are cast to bfloat16 (exact for fp8 keys, rope and bf16 q; probabilities round to 8 bits) with fp32
-accumulation. An fp32 q on a GPU is therefore rounded to bfloat16 for the dot.
+CPU. Under ``TRITON_INTERPRET=1`` the kernel runs on numpy. Loads, stores and casts of bfloat16
+work there, but a ``tl.dot`` on bfloat16 operands does not (it multiplies raw bits), so the
+interpreter path (``DOT_BF16=False``) widens the operands to fp32 instead; and the interpreter's
+fp32 -> bfloat16 cast truncates where a GPU rounds to nearest even (one bf16 ulp at most).
+
+Variants. The constexpr parameters are the cache layout, final/split, ``BLOCK_H``, ``BLOCK_K``
+and ``DOT_BF16``; q's dtype and the output's are the pointer types. Whether ``topk_length``,
+``sink`` and the LSE are used is decided by runtime scalars (never specialized), so they do not
+multiply the compiled variants. :mod:`mla_sm120_plugin.kernels.compile_gate` compiles every variant
+:func:`launch_config` can pick, for sm_120a, sm_121a and sm_90a, without a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -42,18 +50,25 @@ import triton.language as tl
 from mla_sm120_plugin.kernels import layout
 
 _LOG2E = math.log2(math.e)
-_LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)  # the same constants, visible inside kernels
-_LN2_K: tl.constexpr = tl.constexpr(math.log(2.0))
+_LN2 = math.log(2.0)
+_LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)  # the same constant, visible inside kernels
 
 # Layout constants the kernels see, from the one source in layout.py.
 _NOPE: tl.constexpr = tl.constexpr(layout.KV_LORA_RANK)
 _TILE: tl.constexpr = tl.constexpr(layout.FP8_TILE)
 _ROPE: tl.constexpr = tl.constexpr(layout.ROPE_DIM)
-_HEAD_DIM: tl.constexpr = tl.constexpr(layout.HEAD_DIM)
-_SCALE_OFF_F32: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET // 4)
-_ROPE_OFF_I16_FP8: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET // 2)
+_SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
+_ROPE_OFF_FP8: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET)
 
 DEFAULT_NUM_SMS = 170  # RTX 5090; used when no CUDA device can be asked (CPU interpreter)
+MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
+BLOCK_K = 32  # candidates a loop step reads; see launch_config for why not more
+# Arguments Triton must not specialize on (it compiles a separate variant for every int equal to 1
+# or divisible by 16): the runtime flags and their strides, and sizes that are only compared,
+# never used to align an address (a flat cache's page_size and a one-step split are 1).
+_UNSPECIALIZED_MAIN = ("topk_len_stride", "has_topk_len", "sink_stride", "has_sink", "write_lse",
+                       "page_size", "num_slots", "topk", "num_heads", "blocks_per_split")
+_UNSPECIALIZED_COMBINE = ("sink_stride", "has_sink", "write_lse", "num_heads", "num_splits")
 
 
 def _interpreting() -> bool:
@@ -64,157 +79,148 @@ def _interpreting() -> bool:
 class LaunchConfig:
     """How one call is cut into programs.
 
-    block_h: heads a program handles (a power of two >= 16, for tl.dot), padded and masked
+    block_h: heads a program handles (tl.dot needs >= 16 rows), padded and masked
     block_k: candidates a loop step handles
     num_splits: top-k ranges per (token, head block); 1 is the prefill path
     blocks_per_split: ``block_k`` steps in each range
+    num_warps: warps a program runs
+    num_stages: software-pipelining depth of the candidate loop
     """
 
     block_h: int
     block_k: int
     num_splits: int
     blocks_per_split: int
-    num_warps: int = 4
+    num_warps: int = 8
+    num_stages: int = 2
 
 
-def _launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
-    """Pick block sizes and the split count.
+# One block shape for every head count, chosen from the compile gate's ptxas numbers (Triton 3.8,
+# sm_120a, fp8_ds_mla): 16 heads x 32 candidates in 8 warps uses ~175 registers and 27 KB of
+# shared memory, no spills; 4 warps, 64 candidates or 32 heads a block all spill, even with 16
+# warps. More than 16 heads means several head blocks reading the same candidates (the repeat
+# comes from L2, and from 64 heads per rank on the call is compute bound).
+BLOCK_H = 16
+BLOCK_K = 32
+NUM_WARPS = 8
+NUM_STAGES = 2
 
-    Heads: a block of ``next_pow2(H)`` clamped to [16, 32]; 32 heads x 512 fp32 accumulators is
-    already 64 KB of registers a program. More than 32 heads means several head blocks, each
-    reading the same candidates (2x the cache reads at 64 heads, 4x at 128; L2 absorbs part of it). Splits: the (token, head block) programs alone fill
-    ``num_programs`` slots; if that is under two waves of ``num_sms`` we cut top-k into
-    ``ceil(2 * num_sms / num_programs)`` splits, at most one per ``block_k`` step and at most 64 (the
-    combine step reads every split). Empty splits are avoided by recomputing the count from the
-    steps per split. Many tokens therefore get one split (prefill path), few tokens many (decode).
+
+def launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
+    """Pick the split count, deterministically (no autotuning at serve time).
+
+    The (token, head block) programs alone fill ``programs`` slots; if that is under two waves of
+    ``num_sms`` we cut top-k into ``ceil(2 * num_sms / programs)`` splits, at most one per
+    ``block_k`` step and at most :data:`MAX_SPLITS`, with at least two steps a split when top-k
+    allows (a one-step split is all prologue). Empty splits are avoided by recomputing the count
+    from the steps per split. Many tokens therefore get one split (prefill path), few tokens many.
     """
-    block_h = min(max(triton.next_power_of_2(num_heads), 16), 32)
-    block_k = 64
-    num_k_blocks = triton.cdiv(max(topk, 1), block_k)
-    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    return _launch_config(num_tokens, num_heads, topk, num_sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
+    num_k_blocks = triton.cdiv(max(topk, 1), BLOCK_K)
+    programs = num_tokens * triton.cdiv(num_heads, BLOCK_H)
     wanted = triton.cdiv(2 * num_sms, max(programs, 1))
-    splits = max(1, min(wanted, num_k_blocks, 64))
+    splits = max(1, min(wanted, triton.cdiv(num_k_blocks, 2), MAX_SPLITS))
     blocks_per_split = triton.cdiv(num_k_blocks, splits)
     splits = triton.cdiv(num_k_blocks, blocks_per_split)
-    return LaunchConfig(block_h, block_k, splits, blocks_per_split, num_warps=8 if block_h > 16 else 4)
+    return LaunchConfig(BLOCK_H, BLOCK_K, splits, blocks_per_split, NUM_WARPS, NUM_STAGES)
 
 
-@triton.jit
-def _bf16_bits_to_f32(bits):
-    """int16 bfloat16 bit patterns -> float32 values (exact)."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+def launch_variants() -> list[LaunchConfig]:
+    """One config per compiled shape :func:`launch_config` can pick: the final and the split path.
 
-
-@triton.jit
-def _f32_to_bf16_bits(x):
-    """float32 values -> int16 bfloat16 bit patterns, rounded to nearest even (finite inputs)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-    return (bits >> 16).to(tl.int16)
-
-
-@triton.jit
-def _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, col, Q_BF16: tl.constexpr):
-    """A [BLOCK_H, width] fp32 tile of q at columns ``col``; padded heads read as 0."""
-    offs = q_base + heads[:, None].to(tl.int64) * q_stride_h + col[None, :]
-    if Q_BF16:
-        return _bf16_bits_to_f32(tl.load(q_ptr + offs, mask=h_mask[:, None], other=0))
-    return tl.load(q_ptr + offs, mask=h_mask[:, None], other=0.0)
-
-
-@triton.jit
-def _load_keys_t(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col, IS_FP8: tl.constexpr):
-    """Latent columns ``col`` of the candidates, transposed: [width, BLOCK_K] fp32, unscaled.
-
-    Invalid candidates are masked, never read, and come back as 0.
+    ``num_splits`` and ``blocks_per_split`` are runtime values (not specialized), so these two
+    stand for every config it returns.
     """
-    if IS_FP8:
-        ptrs = kv_fp8_ptr + row_bytes[None, :] + col[:, None]
-        return tl.load(ptrs, mask=valid[None, :], other=0.0).to(tl.float32)
-    ptrs = kv_i16_ptr + (row_bytes // 2)[None, :] + col[:, None]
-    return _bf16_bits_to_f32(tl.load(ptrs, mask=valid[None, :], other=0))
-
-
-@triton.jit
-def _load_values(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col, IS_FP8: tl.constexpr):
-    """Latent columns ``col`` of the candidates: [BLOCK_K, width] fp32, unscaled, 0 when invalid."""
-    if IS_FP8:
-        ptrs = kv_fp8_ptr + row_bytes[:, None] + col[None, :]
-        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
-    ptrs = kv_i16_ptr + (row_bytes // 2)[:, None] + col[None, :]
-    return _bf16_bits_to_f32(tl.load(ptrs, mask=valid[:, None], other=0))
-
-
-@triton.jit
-def _load_scale(kv_f32_ptr, row_bytes, valid, tile: tl.constexpr, IS_FP8: tl.constexpr):
-    """Per-candidate fp32 scale of latent tile ``tile`` ([BLOCK_K]); 1 for the bf16 layout."""
-    if IS_FP8:
-        return tl.load(kv_f32_ptr + row_bytes // 4 + (_SCALE_OFF_F32 + tile), mask=valid, other=0.0)
-    return tl.where(valid, 1.0, 0.0)
+    return [LaunchConfig(BLOCK_H, BLOCK_K, splits, 2, NUM_WARPS, NUM_STAGES) for splits in (1, 2)]
 
 
 @triton.jit
 def _dot(a, b, DOT_BF16: tl.constexpr):
+    """fp32-accumulated a @ b; bf16 operands on a GPU, fp32 under the interpreter."""
     if DOT_BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
-    return tl.dot(a, b, out_dtype=tl.float32)
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), out_dtype=tl.float32)
+    return c
 
 
 @triton.jit
-def _store_tile(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        tl.store(ptr + offs, _f32_to_bf16_bits(x), mask=mask)
+def _q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, cols):
+    """q[tok, heads, cols] ([BLOCK_H, width], q's dtype); padded heads read as 0."""
+    return tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
+                   mask=h_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _kv_tile(kv_ptr, row_off, valid, cols):
+    """Cache elements ``cols`` of each candidate: [BLOCK_K, width] in the cache's dtype, 0 when invalid."""
+    return tl.load(kv_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _scale(kv_f32_ptr, row_off, valid, tile: tl.constexpr, IS_FP8: tl.constexpr):
+    """The fp32 scale of latent tile ``tile`` for each candidate ([BLOCK_K]); 1 for bf16 caches."""
+    if IS_FP8:
+        sc = tl.load(kv_f32_ptr + (row_off + _SCALE_OFF) // 4 + tile, mask=valid, other=0.0)
     else:
-        tl.store(ptr + offs, x, mask=mask)
+        sc = tl.where(valid, 1.0, 0.0)
+    return sc
 
 
 @triton.jit
 def _finalize(
-    out_ptr, out_base, out_stride_h, lse_ptr, lse_base_off, lse_stride_h, sink_ptr,
+    out_ptr, out_row, out_stride_h, lse_ptr, lse_row, lse_stride_h,
+    sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
     heads, h_mask, lse2, acc0, acc1, acc2, acc3,
-    HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_BASE2: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
-    """Apply the sink, store the normalized output tiles and the LSE in the requested base.
+    """Apply the sink, store the normalized output tiles (in out's dtype) and the LSE.
 
-    ``acc*`` are already normalized (0 for a row with no valid candidate); ``lse2`` is base 2.
+    ``acc*`` are already normalized (0 for a row with no valid candidate); ``lse2`` is base 2 and
+    is stored times ``lse_scale`` (1 for base 2, ln 2 for natural log).
     """
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)
+    if has_sink:
+        sink = tl.load(sink_ptr + heads * sink_stride, mask=h_mask, other=0.0)
         # 1 / (1 + exp(sink - lse)) in base 2; lse2 = -inf gives exp2(inf) = inf and a factor 0.
-        factor = 1.0 / (1.0 + tl.math.exp2(sink * _LOG2E_K - lse2))
-        acc0 = acc0 * factor[:, None]
-        acc1 = acc1 * factor[:, None]
-        acc2 = acc2 * factor[:, None]
-        acc3 = acc3 * factor[:, None]
+        factor = (1.0 / (1.0 + tl.math.exp2(sink * _LOG2E_K - lse2)))[:, None]
+        acc0 = acc0 * factor
+        acc1 = acc1 * factor
+        acc2 = acc2 * factor
+        acc3 = acc3 * factor
     col = tl.arange(0, _TILE)
-    offs = out_base + heads[:, None].to(tl.int64) * out_stride_h + col[None, :]
+    ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + col[None, :]
     mask = h_mask[:, None]
-    _store_tile(out_ptr, offs, acc0, mask, OUT_BF16)
-    _store_tile(out_ptr, offs + _TILE, acc1, mask, OUT_BF16)
-    _store_tile(out_ptr, offs + 2 * _TILE, acc2, mask, OUT_BF16)
-    _store_tile(out_ptr, offs + 3 * _TILE, acc3, mask, OUT_BF16)
-    if WRITE_LSE:
-        lse = lse2
-        if not LSE_BASE2:
-            lse = lse2 * _LN2_K
-        tl.store(lse_ptr + lse_base_off + heads * lse_stride_h, lse, mask=h_mask)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(ptrs, acc0.to(out_ty), mask=mask)
+    tl.store(ptrs + _TILE, acc1.to(out_ty), mask=mask)
+    tl.store(ptrs + 2 * _TILE, acc2.to(out_ty), mask=mask)
+    tl.store(ptrs + 3 * _TILE, acc3.to(out_ty), mask=mask)
+    if write_lse:
+        tl.store(lse_ptr + lse_row + heads * lse_stride_h, lse2 * lse_scale, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALIZED_MAIN)
 def _sparse_mla_kernel(
     q_ptr, q_stride_t, q_stride_h,
-    kv_fp8_ptr, kv_i16_ptr, kv_f32_ptr, page_stride_bytes, row_stride_bytes, page_size, num_slots,
+    kv_ptr, kv_f32_ptr, kv_rope_ptr, page_stride, row_stride, page_size, num_slots,
     idx_ptr, idx_stride_t, topk,
-    topk_len_ptr, sink_ptr,
+    topk_len_ptr, topk_len_stride, has_topk_len,
+    sink_ptr, sink_stride, has_sink,
     out_ptr, out_stride_t, out_stride_s, out_stride_h,
-    lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h,
+    lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h, write_lse, lse_scale,
     num_heads, qk_scale_log2, blocks_per_split,
-    IS_FP8: tl.constexpr, Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, HAS_SINK: tl.constexpr, FINAL: tl.constexpr,
-    WRITE_LSE: tl.constexpr, LSE_BASE2: tl.constexpr,
+    IS_FP8: tl.constexpr, FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (token, head block, split) program. FINAL: write the output (one split) or partials."""
+    """One (token, head block, split) program. FINAL: write the output (one split) or partials.
+
+    Cache offsets (``page_stride``, ``row_stride``, the per-candidate ``row_off``) are in elements
+    of ``kv_ptr`` (bytes for fp8_ds_mla, bfloat16 elements for bf16); ``kv_f32_ptr`` and
+    ``kv_rope_ptr`` are the same storage as fp32 scales and bf16 rope (fp8 layout only).
+    """
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,17 +229,11 @@ def _sparse_mla_kernel(
     h_mask = heads < num_heads
     col = tl.arange(0, _TILE)
     rope_col = tl.arange(0, _ROPE)
-
-    q_base = tok * q_stride_t
-    q0 = _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, col, Q_BF16)
-    q1 = _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, col + _TILE, Q_BF16)
-    q2 = _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, col + 2 * _TILE, Q_BF16)
-    q3 = _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, col + 3 * _TILE, Q_BF16)
-    q_rope = _load_q(q_ptr, q_base, q_stride_h, heads, h_mask, rope_col + _NOPE, Q_BF16)
+    q_row = tok * q_stride_t
 
     length = topk
-    if HAS_TOPK_LEN:
-        length = tl.minimum(tl.load(topk_len_ptr + tok), topk)
+    if has_topk_len:
+        length = tl.minimum(tl.load(topk_len_ptr + tok * topk_len_stride), topk)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -246,30 +246,29 @@ def _sparse_mla_kernel(
     for step in range(blocks_per_split):
         pos = k_start + step * BLOCK_K + tl.arange(0, BLOCK_K)
         in_row = pos < length
-        slot = tl.load(idx_ptr + tok * idx_stride_t + pos, mask=in_row, other=-1).to(tl.int64)
+        slot = tl.load(idx_ptr + tok * idx_stride_t + pos, mask=in_row, other=-1)
         valid = in_row & (slot >= 0) & (slot < num_slots)
         slot = tl.where(valid, slot, 0)
-        row_bytes = (slot // page_size) * page_stride_bytes + (slot % page_size) * row_stride_bytes
+        # int32 division (slots < 2**31), int64 offsets (caches over 2 GiB).
+        row_off = (slot // page_size).to(tl.int64) * page_stride + (slot % page_size).to(tl.int64) * row_stride
 
-        sc0 = _load_scale(kv_f32_ptr, row_bytes, valid, 0, IS_FP8)
-        sc1 = _load_scale(kv_f32_ptr, row_bytes, valid, 1, IS_FP8)
-        sc2 = _load_scale(kv_f32_ptr, row_bytes, valid, 2, IS_FP8)
-        sc3 = _load_scale(kv_f32_ptr, row_bytes, valid, 3, IS_FP8)
-        s = _dot(q0, _load_keys_t(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col, IS_FP8), DOT_BF16) * sc0[None, :]
-        s += _dot(q1, _load_keys_t(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + _TILE, IS_FP8), DOT_BF16) * sc1[None, :]
-        s += _dot(q2, _load_keys_t(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + 2 * _TILE, IS_FP8), DOT_BF16) * sc2[None, :]
-        s += _dot(q3, _load_keys_t(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + 3 * _TILE, IS_FP8), DOT_BF16) * sc3[None, :]
+        sc0 = _scale(kv_f32_ptr, row_off, valid, 0, IS_FP8)
+        sc1 = _scale(kv_f32_ptr, row_off, valid, 1, IS_FP8)
+        sc2 = _scale(kv_f32_ptr, row_off, valid, 2, IS_FP8)
+        sc3 = _scale(kv_f32_ptr, row_off, valid, 3, IS_FP8)
+        s = _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col),
+                 tl.trans(_kv_tile(kv_ptr, row_off, valid, col)), DOT_BF16) * sc0[None, :]
+        s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE),
+                  tl.trans(_kv_tile(kv_ptr, row_off, valid, col + _TILE)), DOT_BF16) * sc1[None, :]
+        s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE),
+                  tl.trans(_kv_tile(kv_ptr, row_off, valid, col + 2 * _TILE)), DOT_BF16) * sc2[None, :]
+        s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE),
+                  tl.trans(_kv_tile(kv_ptr, row_off, valid, col + 3 * _TILE)), DOT_BF16) * sc3[None, :]
         if IS_FP8:
-            rope_bits = tl.load(
-                kv_i16_ptr + (row_bytes // 2)[None, :] + (rope_col + _ROPE_OFF_I16_FP8)[:, None],
-                mask=valid[None, :], other=0,
-            )
+            rope = _kv_tile(kv_rope_ptr, (row_off + _ROPE_OFF_FP8) // 2, valid, rope_col)
         else:
-            rope_bits = tl.load(
-                kv_i16_ptr + (row_bytes // 2)[None, :] + (rope_col + _NOPE)[:, None],
-                mask=valid[None, :], other=0,
-            )
-        s += _dot(q_rope, _bf16_bits_to_f32(rope_bits), DOT_BF16)
+            rope = _kv_tile(kv_ptr, row_off + _NOPE, valid, rope_col)
+        s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, rope_col + _NOPE), tl.trans(rope), DOT_BF16)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K], base 2
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -280,44 +279,39 @@ def _sparse_mla_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-        # Values are the same bytes as the keys; re-reading them (an L1/L2 hit) is cheaper than
-        # keeping four 64 x 128 key tiles live in registers. The fp8 scale goes on p's columns.
-        acc0 = acc0 * alpha[:, None] + _dot(p * sc0[None, :], _load_values(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col, IS_FP8), DOT_BF16)
-        acc1 = acc1 * alpha[:, None] + _dot(p * sc1[None, :], _load_values(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + _TILE, IS_FP8), DOT_BF16)
-        acc2 = acc2 * alpha[:, None] + _dot(p * sc2[None, :], _load_values(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + 2 * _TILE, IS_FP8), DOT_BF16)
-        acc3 = acc3 * alpha[:, None] + _dot(p * sc3[None, :], _load_values(kv_fp8_ptr, kv_i16_ptr, row_bytes, valid, col + 3 * _TILE, IS_FP8), DOT_BF16)
+        # The fp8 scale goes on p's columns, so the value tiles stay exact in bf16.
+        acc0 = acc0 * alpha[:, None] + _dot(p * sc0[None, :], _kv_tile(kv_ptr, row_off, valid, col), DOT_BF16)
+        acc1 = acc1 * alpha[:, None] + _dot(p * sc1[None, :], _kv_tile(kv_ptr, row_off, valid, col + _TILE), DOT_BF16)
+        acc2 = acc2 * alpha[:, None] + _dot(p * sc2[None, :], _kv_tile(kv_ptr, row_off, valid, col + 2 * _TILE), DOT_BF16)
+        acc3 = acc3 * alpha[:, None] + _dot(p * sc3[None, :], _kv_tile(kv_ptr, row_off, valid, col + 3 * _TILE), DOT_BF16)
 
     has_any = l_i > 0.0
-    inv_l = tl.where(has_any, 1.0 / tl.where(has_any, l_i, 1.0), 0.0)
+    inv_l = tl.where(has_any, 1.0 / tl.where(has_any, l_i, 1.0), 0.0)[:, None]
     lse2 = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
-    out_base = tok * out_stride_t + split * out_stride_s
-    lse_base_off = tok * lse_stride_t + split * lse_stride_s
     if FINAL:
         _finalize(
-            out_ptr, out_base, out_stride_h, lse_ptr, lse_base_off, lse_stride_h, sink_ptr,
-            heads, h_mask, lse2, acc0 * inv_l[:, None], acc1 * inv_l[:, None],
-            acc2 * inv_l[:, None], acc3 * inv_l[:, None],
-            HAS_SINK, WRITE_LSE, LSE_BASE2, OUT_BF16,
+            out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h,
+            sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
+            heads, h_mask, lse2, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l,
         )
     else:
-        # Partials stay fp32 and base 2 regardless of the caller's dtype and base.
+        # Partials stay fp32 and base 2 whatever the caller asked; the combine applies the rest.
         _finalize(
-            out_ptr, out_base, out_stride_h, lse_ptr, lse_base_off, lse_stride_h, sink_ptr,
-            heads, h_mask, lse2, acc0 * inv_l[:, None], acc1 * inv_l[:, None],
-            acc2 * inv_l[:, None], acc3 * inv_l[:, None],
-            False, True, True, False,
+            out_ptr, tok * out_stride_t + split * out_stride_s, out_stride_h,
+            lse_ptr, tok * lse_stride_t + split * lse_stride_s, lse_stride_h,
+            sink_ptr, sink_stride, 0, 1, 1.0,
+            heads, h_mask, lse2, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l,
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALIZED_COMBINE)
 def _combine_kernel(
     part_ptr, part_stride_t, part_stride_s, part_stride_h,
     plse_ptr, plse_stride_t, plse_stride_s, plse_stride_h,
-    sink_ptr,
+    sink_ptr, sink_stride, has_sink,
     out_ptr, out_stride_t, out_stride_h,
-    lse_ptr, lse_stride_t, lse_stride_h,
+    lse_ptr, lse_stride_t, lse_stride_h, write_lse, lse_scale,
     num_heads, num_splits,
-    HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr, LSE_BASE2: tl.constexpr, OUT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Merge the splits of one (token, head block): weights exp2(lse_s - max), renormalized."""
@@ -325,11 +319,11 @@ def _combine_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
     col = tl.arange(0, _TILE)
+    plse_row = plse_ptr + tok * plse_stride_t + heads * plse_stride_h
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(num_splits):
-        lse_s = tl.load(plse_ptr + tok * plse_stride_t + s * plse_stride_s + heads * plse_stride_h, mask=h_mask, other=float("-inf"))
-        m = tl.maximum(m, lse_s)
+        m = tl.maximum(m, tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
     total = tl.zeros([BLOCK_H], tl.float32)
@@ -337,35 +331,29 @@ def _combine_kernel(
     acc1 = tl.zeros([BLOCK_H, _TILE], tl.float32)
     acc2 = tl.zeros([BLOCK_H, _TILE], tl.float32)
     acc3 = tl.zeros([BLOCK_H, _TILE], tl.float32)
+    part_rows = part_ptr + tok * part_stride_t + heads[:, None].to(tl.int64) * part_stride_h + col[None, :]
     for s in range(num_splits):
-        lse_s = tl.load(plse_ptr + tok * plse_stride_t + s * plse_stride_s + heads * plse_stride_h, mask=h_mask, other=float("-inf"))
-        w = tl.math.exp2(lse_s - m_safe)  # 0 for an empty split
-        total += w
-        offs = tok * part_stride_t + s * part_stride_s + heads[:, None].to(tl.int64) * part_stride_h + col[None, :]
-        acc0 += w[:, None] * tl.load(part_ptr + offs, mask=h_mask[:, None], other=0.0)
-        acc1 += w[:, None] * tl.load(part_ptr + offs + _TILE, mask=h_mask[:, None], other=0.0)
-        acc2 += w[:, None] * tl.load(part_ptr + offs + 2 * _TILE, mask=h_mask[:, None], other=0.0)
-        acc3 += w[:, None] * tl.load(part_ptr + offs + 3 * _TILE, mask=h_mask[:, None], other=0.0)
+        w = tl.math.exp2(tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")) - m_safe)
+        total += w  # w is 0 for an empty split
+        ptrs = part_rows + s * part_stride_s
+        acc0 += w[:, None] * tl.load(ptrs, mask=h_mask[:, None], other=0.0)
+        acc1 += w[:, None] * tl.load(ptrs + _TILE, mask=h_mask[:, None], other=0.0)
+        acc2 += w[:, None] * tl.load(ptrs + 2 * _TILE, mask=h_mask[:, None], other=0.0)
+        acc3 += w[:, None] * tl.load(ptrs + 3 * _TILE, mask=h_mask[:, None], other=0.0)
 
     has_any = total > 0.0
-    inv = tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    inv = tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)[:, None]
     lse2 = tl.where(has_any, m_safe + tl.math.log2(tl.where(has_any, total, 1.0)), float("-inf"))
     _finalize(
-        out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h, sink_ptr,
-        heads, h_mask, lse2, acc0 * inv[:, None], acc1 * inv[:, None], acc2 * inv[:, None],
-        acc3 * inv[:, None], HAS_SINK, WRITE_LSE, LSE_BASE2, OUT_BF16,
+        out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h,
+        sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
+        heads, h_mask, lse2, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv,
     )
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
-
-
-def _as_int_bits(t: torch.Tensor) -> torch.Tensor:
-    """bfloat16 tensors travel as int16 bits (see the module docstring); others unchanged."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def triton_sparse_mla(
@@ -383,13 +371,16 @@ def triton_sparse_mla(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged KV cache with Triton (same contract as ``torch_sparse_mla``).
 
+    Trusts its inputs: :func:`mla_sm120_plugin.kernels.sparse_mla_forward` validates them.
+
     q: [T, H, 576], bfloat16 or float32, last dim contiguous
     kv_cache: [P, page_size, 656] uint8 (fp8_ds_mla) or [P, page_size, 576] bfloat16 (bf16);
-        [num_slots, width] flat and page-strided views work too (last dim contiguous)
+        [num_slots, width] flat and page-strided views work too (last dim contiguous; for
+        fp8_ds_mla the byte offset and strides are multiples of 4, for the fp32 scales)
     indices: [T, topk], int32, global slots (page * page_size + row), -1 padded
-    topk_length: [T], int32, optional; positions >= topk_length[t] are invalid
-    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse))
-    out: [T, H, 512], q's dtype, optional; written in place and returned
+    topk_length: [T], int32, any stride, optional; positions >= topk_length[t] are invalid
+    sink: [H], float32, any stride, optional; out *= 1 / (1 + exp(sink - lse))
+    out: [T, H, 512], q's dtype, any non-overlapping strides, optional; written and returned
     returns: out [T, H, 512] in q's dtype, and lse [T, H] float32 when ``return_lse`` (natural
         log when ``lse_base == "e"``, base 2 when ``"2"``)
     """
@@ -397,15 +388,133 @@ def triton_sparse_mla(
                 sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None)
 
 
+def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page_size, page stride, row stride) in the cache's elements; a flat cache is 1-row pages."""
+    if kv_cache.dim() == 3:
+        return kv_cache.shape[1], kv_cache.stride(0), kv_cache.stride(1)
+    return 1, kv_cache.stride(0), kv_cache.stride(0)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a call: what ``_run`` executes and what the compile gate compiles.
+
+    name: "sparse_mla" or "combine"
+    kernel: the ``@triton.jit`` function
+    grid: programs along (tokens, head blocks[, splits])
+    args: the positional (runtime) arguments
+    constexprs: the constexpr keyword arguments
+    num_warps: warps a program runs
+    describe: the variant as the compile report names it (dtypes and constexpr values)
+    """
+
+    name: str
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    describe: dict
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+# The combine kernel reads only fp32 partials; 16 heads x 512 columns in 4 warps keeps it far
+# from spilling, whatever head block the main kernel used.
+COMBINE_BLOCK_H = 16
+COMBINE_WARPS = 4
+COMBINE_STAGES = 2
+
+
+def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, lse, lse_base,
+                cfg: LaunchConfig, interpret: bool) -> list[Launch]:
+    """The launches that compute ``out`` (and ``lse`` when given) for already-checked inputs.
+
+    One launch when ``cfg.num_splits == 1``; otherwise the split kernel into fresh fp32 partials,
+    then the combine kernel into ``out``.
+    """
+    num_tokens, num_heads, _ = q.shape
+    if not interpret and q.dtype != torch.bfloat16:
+        # The GPU dot rounds q to bfloat16 anyway; converting first halves the q traffic and the
+        # registers, and leaves one q dtype to compile. out keeps the caller's dtype.
+        q = q.to(torch.bfloat16)
+    page_size, page_stride, row_stride = _cache_geometry(kv_cache)
+    if kv_layout == layout.FP8_DS_MLA:
+        # Three typed pointers to the same bytes: fp8 latent, fp32 scales, bf16 rope. Offsets in
+        # the kernel are bytes; the validator guarantees the 4-byte alignment the fp32 view needs.
+        kv = kv_cache.view(torch.float8_e4m3fn)
+        kv_f32 = kv_cache.view(torch.float32)
+        kv_rope = kv_cache.view(torch.bfloat16)
+    else:
+        kv = kv_f32 = kv_rope = kv_cache
+    has_len, has_sink = topk_length is not None, sink is not None
+    lse_scale = 1.0 if lse_base == "2" else _LN2
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    final = cfg.num_splits == 1
+    if final:
+        dest, dest_strides = out, (out.stride(0), 0, out.stride(1))
+        dest_lse, dest_lse_strides = (lse, (lse.stride(0), 0, lse.stride(1))) if lse is not None else (out, (0, 0, 0))
+    else:
+        dest = torch.empty(num_tokens, cfg.num_splits, num_heads, layout.KV_LORA_RANK,
+                           dtype=torch.float32, device=q.device)  # [T, S, H, 512] partials
+        dest_lse = torch.empty(num_tokens, cfg.num_splits, num_heads, dtype=torch.float32, device=q.device)  # [T, S, H]
+        dest_strides, dest_lse_strides = dest.stride()[:3], dest_lse.stride()
+    main = Launch(
+        name="sparse_mla",
+        kernel=_sparse_mla_kernel,
+        grid=(num_tokens, head_blocks, cfg.num_splits),
+        args=(
+            q, q.stride(0), q.stride(1),
+            kv, kv_f32, kv_rope, page_stride, row_stride, page_size, kv_cache.shape[0] * page_size,
+            indices, indices.stride(0), indices.shape[1],
+            topk_length if has_len else indices, topk_length.stride(0) if has_len else 0, int(has_len),
+            sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(final and has_sink),
+            dest, *dest_strides,
+            dest_lse, *dest_lse_strides, int(not final or lse is not None), lse_scale if final else 1.0,
+            num_heads, float(sm_scale) * _LOG2E, cfg.blocks_per_split,
+        ),
+        constexprs=dict(IS_FP8=kv_layout == layout.FP8_DS_MLA, FINAL=final, DOT_BF16=not interpret,
+                        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        describe=dict(kernel="sparse_mla", q=_DTYPE_NAMES[q.dtype], cache=kv_layout,
+                      out=_DTYPE_NAMES[dest.dtype], final=int(final), block_h=cfg.block_h,
+                      block_k=cfg.block_k, warps=cfg.num_warps, stages=cfg.num_stages),
+    )
+    if final:
+        return [main]
+    lse_arg = lse if lse is not None else dest_lse
+    combine = Launch(
+        name="combine",
+        kernel=_combine_kernel,
+        grid=(num_tokens, triton.cdiv(num_heads, COMBINE_BLOCK_H)),
+        args=(
+            dest, *dest.stride()[:3],
+            dest_lse, *dest_lse.stride(),
+            sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(has_sink),
+            out, out.stride(0), out.stride(1),
+            lse_arg, lse_arg.stride(0), lse_arg.stride(-1), int(lse is not None), lse_scale,
+            num_heads, cfg.num_splits,
+        ),
+        constexprs=dict(BLOCK_H=COMBINE_BLOCK_H),
+        num_warps=COMBINE_WARPS,
+        num_stages=COMBINE_STAGES,
+        describe=dict(kernel="combine", out=_DTYPE_NAMES[out.dtype], block_h=COMBINE_BLOCK_H, warps=COMBINE_WARPS,
+                      stages=COMBINE_STAGES),
+    )
+    return [main, combine]
+
+
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
          config: LaunchConfig | None):
     """:func:`triton_sparse_mla` with an optional forced :class:`LaunchConfig` (tests use it)."""
     num_tokens, num_heads, _ = q.shape
-    topk = indices.shape[1]
     device = q.device
     # The kernels index the last dim of q, indices and out with stride 1.
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
     if out is not None and out.stride(-1) != 1:
         result = _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                       topk_length=topk_length, sink=sink, out=None, return_lse=return_lse,
@@ -417,77 +526,12 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device) if return_lse else None
     if num_tokens == 0:
         return (out, lse) if return_lse else out
-    cfg = config or _launch_config(num_tokens, num_heads, topk, _num_sms(device))
-
-    if kv_cache.dim() == 3:
-        page_size = kv_cache.shape[1]
-        page_stride, row_stride = kv_cache.stride(0), kv_cache.stride(1)
-    else:
-        page_size = 1
-        page_stride = row_stride = kv_cache.stride(0)
-    num_slots = kv_cache.shape[0] * page_size
-    item = kv_cache.element_size()
-    is_fp8 = kv_layout == layout.FP8_DS_MLA
-    if is_fp8:
-        # Three typed views of the same bytes: fp8 latent, fp32 scales, int16 rope bits. Torch
-        # refuses the fp32 view when strides or the storage offset are not 4-byte multiples.
-        kv_fp8 = kv_cache.view(torch.float8_e4m3fn)
-        kv_f32 = kv_cache.view(torch.float32)
-        kv_i16 = kv_cache.view(torch.int16)
-    else:
-        kv_i16 = kv_cache.view(torch.int16)
-        kv_fp8 = kv_f32 = kv_i16  # unused by the bf16 path
-
-    q_arg = _as_int_bits(q)
     interpret = _interpreting() or device.type == "cpu"
-    out_bf16 = out.dtype == torch.bfloat16
-    num_head_blocks = triton.cdiv(num_heads, cfg.block_h)
-    final = cfg.num_splits == 1
-    if final:
-        part, part_lse = out, lse
-        dummy = out  # never read when the flags below are off
-    else:
-        part = torch.empty(num_tokens, cfg.num_splits, num_heads, layout.KV_LORA_RANK,
-                           dtype=torch.float32, device=device)  # [T, S, H, 512]
-        part_lse = torch.empty(num_tokens, cfg.num_splits, num_heads, dtype=torch.float32, device=device)
-        dummy = part
-    part_arg = _as_int_bits(part)
-    if part.dim() == 3:
-        part_strides = (part.stride(0), 0, part.stride(1))
-    else:
-        part_strides = (part.stride(0), part.stride(1), part.stride(2))
-    if part_lse is None:
-        plse_arg, plse_strides = dummy, (0, 0, 0)
-    elif part_lse.dim() == 2:
-        plse_arg, plse_strides = part_lse, (part_lse.stride(0), 0, part_lse.stride(1))
-    else:
-        plse_arg, plse_strides = part_lse, part_lse.stride()
-
-    _sparse_mla_kernel[(num_tokens, num_head_blocks, cfg.num_splits)](
-        q_arg, q.stride(0), q.stride(1),
-        kv_fp8, kv_i16, kv_f32, page_stride * item, row_stride * item, page_size, num_slots,
-        indices, indices.stride(0), topk,
-        topk_length if topk_length is not None else indices, sink if sink is not None else dummy,
-        part_arg, *part_strides,
-        plse_arg, *plse_strides,
-        num_heads, float(sm_scale) * _LOG2E, cfg.blocks_per_split,
-        IS_FP8=is_fp8, Q_BF16=q.dtype == torch.bfloat16, OUT_BF16=final and out_bf16,
-        DOT_BF16=not interpret, HAS_TOPK_LEN=topk_length is not None,
-        HAS_SINK=final and sink is not None, FINAL=final,
-        WRITE_LSE=(not final) or return_lse, LSE_BASE2=(not final) or lse_base == "2",
-        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-    )
-    if not final:
-        lse_arg = lse if lse is not None else part_lse
-        _combine_kernel[(num_tokens, num_head_blocks)](
-            part, *part.stride()[:3],
-            part_lse, *part_lse.stride(),
-            sink if sink is not None else part,
-            _as_int_bits(out), out.stride(0), out.stride(1),
-            lse_arg, lse_arg.stride(0), lse_arg.stride(-1),
-            num_heads, cfg.num_splits,
-            HAS_SINK=sink is not None, WRITE_LSE=return_lse, LSE_BASE2=lse_base == "2",
-            OUT_BF16=out_bf16, BLOCK_H=cfg.block_h,
-        )
+    num_sms = DEFAULT_NUM_SMS if device.type != "cuda" else _num_sms(device.index or 0)
+    cfg = config or _launch_config(num_tokens, num_heads, indices.shape[1], num_sms)
+    for launch in launch_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
+                              topk_length=topk_length, sink=sink, out=out, lse=lse, lse_base=lse_base,
+                              cfg=cfg, interpret=interpret):
+        launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                   num_stages=launch.num_stages)
     return (out, lse) if return_lse else out
