@@ -1,8 +1,9 @@
 """The one sparse-MLA entry: validates every input once, then dispatches to a named kernel.
 
-The kernels themselves (:mod:`.reference`, :mod:`.triton`, :mod:`.flashinfer`) trust their inputs;
-this is the only place that checks them, so every input error is a :class:`KernelInputError` naming
-the argument, what is supported and what was given.
+The Triton and reference kernels trust their inputs; the FlashInfer binding checks its own extra
+limits as well. Every input this module accepts is served correctly by every kernel (strided
+``topk_length``, ``sink`` and ``out`` included); everything else is a :class:`KernelInputError`
+naming the argument, what is supported and what was given.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def _check_optional(name: str, x: object, q: torch.Tensor, dtype: torch.dtype, s
     _check_same_device(name, x, q)
 
 
+def _has_internal_overlap(x: torch.Tensor) -> bool:
+    """True when two index tuples of ``x`` address the same element (e.g. an ``expand``ed view)."""
+    reach = 0  # elements spanned by the dims seen so far, smallest stride first
+    for size, stride in sorted(((s, st) for s, st in zip(x.shape, x.stride()) if s > 1), key=lambda d: d[1]):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+# The Triton kernel takes sm_scale * log2(e) as a float32 argument.
+_MAX_SM_SCALE = 3.4028234663852886e38 / math.log2(math.e)
+
+
 def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_size, out,
               return_lse, lse_base, sink, scale_format) -> float:
     """Check every argument against the contract; returns sm_scale as a float."""
@@ -83,6 +98,14 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
         raise _fail("kv_cache", f"{_describe(kv_cache)} with strides {kv_cache.stride()}",
                     cache_supported, "pass a view whose rows are contiguous")
     _check_same_device("kv_cache", kv_cache, q)
+    if kv_layout == layout.FP8_DS_MLA:
+        # The four fp32 scales of each token are read as float32: every token must start on a
+        # 4-byte boundary (vLLM's caches are 16-byte aligned).
+        misaligned = [v for v in (kv_cache.storage_offset(), *kv_cache.stride()[:-1]) if v % 4]
+        if misaligned:
+            raise _fail("kv_cache", f"{_describe(kv_cache)} with byte offset {kv_cache.storage_offset()} and "
+                        f"strides {kv_cache.stride()}", "a byte offset and page/row strides that are multiples "
+                        "of 4 (each token's fp32 scales aligned)", "pass the cache tensor or an aligned view of it")
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise _fail("page_size", _describe(page_size), "a positive int", "pass the cache's page size")
     if kv_cache.dim() == 3 and kv_cache.shape[1] != page_size:
@@ -107,9 +130,9 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
         raise _fail("sm_scale", _describe(sm_scale), "a positive finite Python float",
                     "pass the layer's softmax scale as a float (vLLM: impl.scale), not a tensor")
     scale = float(sm_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise _fail("sm_scale", repr(sm_scale), "a positive finite Python float",
-                    "pass the layer's softmax scale")
+    if not (math.isfinite(scale) and 0 < scale <= _MAX_SM_SCALE):
+        raise _fail("sm_scale", repr(sm_scale), f"a positive finite Python float <= {_MAX_SM_SCALE:.3g} "
+                    "(sm_scale * log2(e) must fit in float32)", "pass the layer's softmax scale")
 
     if lse_base not in LSE_BASES:
         raise _fail("lse_base", repr(lse_base), f"one of {LSE_BASES}",
@@ -121,6 +144,10 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
         _check_optional("out", out, q, q.dtype, (num_tokens, num_heads, layout.KV_LORA_RANK),
                         f"None or [{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] {q.dtype} on q's device",
                         "pass an output buffer shaped like q with 512 columns")
+        if _has_internal_overlap(out):
+            raise _fail("out", f"{_describe(out)} with strides {out.stride()}",
+                        "a buffer whose elements are all distinct (no expanded or overlapping view)",
+                        "pass torch.empty(...) or a non-overlapping view; each row is written once")
 
     if sink is not None:
         _check_optional("sink", sink, q, torch.float32, (num_heads,),

@@ -578,8 +578,9 @@ def flashinfer_sparse_mla(
     # FlashInfer skips ids < 0 but reads any id >= 0: out-of-range ids become -1 here (one fused
     # elementwise op, graph-safe), which also gives the dense index rows its prefill path needs.
     indices = torch.where(indices < num_slots, indices, -1)
-    if topk_length is not None and topk_length.dtype != torch.int32:
-        topk_length = topk_length.to(torch.int32)
+    if topk_length is not None:
+        # Native code indexes it densely: a strided or expanded view is copied (T ints).
+        topk_length = topk_length.to(torch.int32).contiguous()
     if sink is not None:
         sink = sink.to(torch.float32).contiguous()
     out_lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
