@@ -18,3 +18,59 @@ def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | No
         [sys.executable, "-m", "mla_sm120_plugin.cli", *args],
         capture_output=True, text=True, env=full_env, timeout=300,
     )
+
+
+# --- Kernel tests: one device, tolerances that scale with the values compared -------------------
+# Kernel tests run where the kernels really run: on a CUDA GPU when there is one, else on the CPU
+# with Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton loads).
+import torch  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+# Kernel vs torch reference, as a fraction of the largest |reference| value. CPU interpreter: every
+# dot is fp32 on both sides, only the summation order differs (measured <= 2e-6 relative).
+# GPU: dot operands are bfloat16, so the probabilities (and an fp32 q) are rounded to 8 bits
+# before accumulation; measured 0.4-0.7 % on an H200.
+KERNEL_REL_TOL = 1e-2 if ON_GPU else 2e-5
+# A bfloat16 output may also sit one bf16 ulp (2**-7 relative) away: rounding on GPUs, truncation
+# in the interpreter.
+BF16_ULP = 2.0**-7
+
+
+def scaled_atol(ref: torch.Tensor, rel: float) -> float:
+    """``rel`` times the largest finite |ref| (at least 1, so values near 0 get an absolute floor)."""
+    finite = ref[torch.isfinite(ref)].abs()
+    return rel * max(1.0, finite.max().item() if finite.numel() else 0.0)
+
+
+def assert_kernel_close(got: torch.Tensor, ref: torch.Tensor, rel: float = KERNEL_REL_TOL) -> None:
+    """``got`` matches ``ref`` within ``rel`` of ref's magnitude (+1 bf16 ulp for bf16 values)."""
+    got, ref = got.detach().cpu(), ref.detach().cpu()
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.shape, ref.dtype)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "infinities (empty rows) must agree"
+    rtol = BF16_ULP if got.dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(got.double(), ref.double(), atol=scaled_atol(ref.double(), rel), rtol=rtol)
+
+
+def against_guard_page(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` (same values, shape and strides) whose storage ends where an unreadable
+    page begins, so a read one byte past its storage faults instead of returning garbage."""
+    import ctypes
+    import mmap
+
+    nbytes = t.untyped_storage().nbytes()
+    page = mmap.PAGESIZE
+    data_pages = -(-max(nbytes, 1) // page)
+    buf = mmap.mmap(-1, (data_pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mprotect(ctypes.c_void_p(base + data_pages * page), ctypes.c_size_t(page), 0) != 0:  # PROT_NONE
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+    start = data_pages * page - nbytes
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
+    raw.copy_(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))  # every byte of the storage
+    typed = raw.view(t.dtype)
+    guarded = typed.as_strided(t.shape, t.stride(), t.storage_offset())
+    guarded._guard_buffer = buf  # keep the mapping alive as long as the tensor
+    return guarded

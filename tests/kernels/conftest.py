@@ -1,4 +1,5 @@
-"""Kernel-test helpers: random caches in either layout (tests/conftest.py sets TRITON_INTERPRET)."""
+"""Kernel-test helpers: random caches in either layout, on the test device (helpers.DEVICE: CUDA
+when present, else the CPU, where tests/conftest.py has set TRITON_INTERPRET)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from helpers import DEVICE
 from mla_sm120_plugin.kernels import layout, pack
 
 
@@ -47,8 +49,12 @@ def build_case(
     invalid_fraction: float = 0.2,
     q_dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    device: str = DEVICE,
 ) -> Case:
-    """Random unit-scale tokens in every slot, random candidates with -1 and out-of-range ids."""
+    """Random unit-scale tokens in every slot, random candidates with -1 and out-of-range ids.
+
+    Built on the CPU from a seeded generator (the same values on every machine), then moved to
+    ``device``."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = num_pages * page_size
     # Tiles of different magnitudes, so a wrong per-tile scale shows.
@@ -67,7 +73,15 @@ def build_case(
     junk = torch.where(torch.rand(num_tokens, topk, generator=gen) < 0.5, -1, num_slots + 7)
     indices = torch.where(drop, junk.to(torch.int32), indices)
     q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=gen).to(q_dtype)
-    return Case(q, cache, indices, layout.HEAD_DIM**-0.5, kv_layout, latent)
+    if device != "cpu":
+        cache = _moved_view(cache, device)
+    return Case(q.to(device), cache, indices.to(device), layout.HEAD_DIM**-0.5, kv_layout, latent.to(device))
+
+
+def _moved_view(view: torch.Tensor, device: str) -> torch.Tensor:
+    """``view`` on ``device`` with its strides (``.to`` would compact a page-strided view)."""
+    storage = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage()).to(device)
+    return storage.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 @pytest.fixture

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from helpers import DEVICE, assert_kernel_close
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels import layout, sparse_mla_forward
 from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS as KERNEL_NAMES
 from mla_sm120_plugin.kernels.reference import torch_sparse_mla
 
 T, H, TOPK = 3, 4, 20
+
+
+@pytest.fixture
+def make_case(make_case):
+    """Validation and the reference path on the CPU; Triton calls pass device=DEVICE."""
+    return functools.partial(make_case, device="cpu")
 
 
 @pytest.fixture
@@ -103,12 +112,12 @@ def test_good_input_through_the_reference(make_case, kv_layout):
 
 
 def test_good_input_through_triton(make_case):
-    case = make_case(num_tokens=T, num_heads=H, topk=TOPK, q_dtype=torch.float32)
+    case = make_case(num_tokens=T, num_heads=H, topk=TOPK, q_dtype=torch.float32, device=DEVICE)
     got = sparse_mla_forward(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                              kv_layout=case.kv_layout, kernel="triton_sparse_mla")
     ref = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                            kv_layout=case.kv_layout)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    assert_kernel_close(got, ref)
 
 
 def test_integer_sm_scale_is_accepted(good):
@@ -125,4 +134,4 @@ def test_auto_asks_the_selection_and_agrees_with_the_reference(good):
     args = {**good, "q": good["q"].float(), "kernel": "auto"}
     ref = torch_sparse_mla(args["q"], good["kv_cache"], good["indices"], sm_scale=good["sm_scale"],
                            kv_layout=good["kv_layout"])
-    torch.testing.assert_close(_call(args), ref, atol=1e-4, rtol=0)
+    assert_kernel_close(_call(args), ref)

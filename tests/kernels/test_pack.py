@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import pytest
@@ -9,6 +11,12 @@ import torch
 
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels import layout, pack
+
+@pytest.fixture
+def make_case(make_case):
+    """Packing is torch code tested on the CPU."""
+    return functools.partial(make_case, device="cpu")
+
 
 TILE = layout.FP8_TILE
 
