@@ -128,15 +128,45 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .kernels import bench
+    import os
 
-    result = bench.run_benchmarks(quick=args.quick, device=args.device)
-    text = json.dumps(result, indent=2)
+    from .errors import KernelInputError, format_error
+
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        # Refuse an unwritable destination before minutes of benchmarking, not after.
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise KernelInputError(format_error(f"{flag} {path}", "a file in an existing directory",
+                                                f"create {os.path.dirname(os.path.abspath(path))} first"))
+    if args.compile_only:
+        from .kernels import compile_gate
+
+        result = compile_gate.report(args.arch)
+        text = json.dumps(result, indent=2)
+        if not args.json:
+            lines = [f"sm_{result['arch']}a, Triton {result['triton']}: {len(result['variants'])} variants, "
+                     f"max spill {result['max_spill_bytes']} B, max shared {result['max_shared_bytes']} B "
+                     f"(limit {result['shared_limit_bytes']} B)"]
+            for v in result["variants"]:
+                state = (f"{v['registers']:>3} regs  spill {v['spill_bytes']:>4} B  shared {v['shared_bytes']:>6} B"
+                         if v["compiled"] else f"FAILED: {v['error']}")
+                lines.append(f"  {v['variant']:<90} {state}")
+            print("\n".join(lines))
+        ok = result["all_compiled"] and result["max_spill_bytes"] == 0 and (
+            result["max_shared_bytes"] <= result["shared_limit_bytes"])
+    else:
+        from .kernels import bench
+
+        result = bench.run_gpu_benchmarks(device=args.device or "cuda", quick=args.quick)
+        text = json.dumps(result, indent=2)
+        if args.plot:
+            bench.plot(result, args.plot)
+        ok = True
+    if args.json or not args.compile_only:
+        print(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
-    print(text)
-    return EXIT_OK
+    return EXIT_OK if ok else EXIT_UNSERVABLE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,9 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=_doctor)
 
-    bench = sub.add_parser("bench", help="kernel timings on this device (JSON)")
-    bench.add_argument("--quick", action="store_true", help="few, small shapes")
-    bench.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    bench = sub.add_parser("bench", help="kernel timings on this GPU, or compile reports for any GPU (JSON)")
+    bench.add_argument("--compile-only", action="store_true",
+                       help="compile every Triton variant for --arch without a GPU; exit 2 if any fails, spills "
+                            "or exceeds the shared-memory limit")
+    bench.add_argument("--arch", type=int, default=120, help="with --compile-only: 120, 121 or 90 (default 120)")
+    bench.add_argument("--json", action="store_true", help="with --compile-only: JSON instead of a table")
+    bench.add_argument("--quick", action="store_true", help="timings: three shapes, smaller matmul ceiling")
+    bench.add_argument("--device", help="timings: cuda or cuda:N (default cuda)")
+    bench.add_argument("--plot", help="timings: also draw GB/s and TFLOP/s against the ceilings (matplotlib)")
     bench.add_argument("--output", help="also write the JSON here")
     bench.set_defaults(func=_bench)
     return parser

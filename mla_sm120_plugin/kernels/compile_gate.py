@@ -12,8 +12,11 @@ Used by ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test sui
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -133,14 +136,29 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
 
 
 def report(arch: int) -> dict[str, Any]:
-    """Compile every variant for ``arch`` (120, 121 or 90): ``{"arch", "triton", "variants": [...]}``."""
-    import triton
+    """Compile every variant for ``arch`` (120, 121 or 90): ``{"arch", "triton", "variants": [...]}``.
 
+    Under ``TRITON_INTERPRET=1`` the kernels are interpreter objects that cannot be compiled, so
+    the report is made in a fresh Python process without it.
+    """
     if arch not in ARCHES:
         from mla_sm120_plugin.errors import KernelInputError, format_error
 
         raise KernelInputError(format_error(f"arch={arch}", f"one of {sorted(ARCHES)}",
                                             "pass 120 (RTX 50xx / RTX PRO 6000), 121 (DGX Spark) or 90 (H100/H200)"))
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run([sys.executable, "-m", __name__, str(arch)], capture_output=True, text=True,
+                              env=env, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"compile gate subprocess failed (rc {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(done.stdout)
+    return _report_here(arch)
+
+
+def _report_here(arch: int) -> dict[str, Any]:
+    import triton
+
     rows = [compile_launch(launch, arch) for launch in launches()]
     compiled = [r for r in rows if r["compiled"]]
     return dict(
@@ -154,3 +172,7 @@ def report(arch: int) -> dict[str, Any]:
         max_registers=max((r["registers"] for r in compiled), default=None),
         variants=rows,
     )
+
+
+if __name__ == "__main__":
+    print(json.dumps(_report_here(int(sys.argv[1]))))
