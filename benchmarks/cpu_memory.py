@@ -1,8 +1,8 @@
-"""Kernel benchmarks with machine-readable results (``mla-sm120 bench``, ``benchmarks/bench_kernels.py``).
+"""CPU memory harness for the torch reference (``python benchmarks/bench_kernels.py --device cpu``).
 
-CPU: the memory-bounded torch reference against a naive full-gather baseline (every candidate key
-of every token gathered and dequantized at once), at a few model shapes: time and peak memory.
-Peak memory is reported two ways, both stated in the output:
+Lives outside the runtime package because it uses torch's private dispatch APIs. The memory-bounded
+torch reference runs against a naive full-gather baseline (every candidate key of every token
+gathered and dequantized at once), at a few model shapes: time and peak memory, two ways:
 
 * ``peak_live_tensor_bytes``: the largest total size of tensors created by torch ops during the
   call and alive at once (inputs excluded), tracked op by op with :class:`LiveTensorPeak`;
@@ -11,11 +11,6 @@ Peak memory is reported two ways, both stated in the output:
   above the RSS at its start (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``;
   ``ru_maxrss`` elsewhere), in a fresh subprocess after the inputs are built. Includes allocator
   slack and untracked scratch; undercounts when the call reuses memory the allocator kept.
-
-GPU (``torch.cuda.is_available()``): the Triton kernel, FlashInfer's (when it can run) and the
-reference against the memory-bandwidth roofline, bytes = T * topk * token_bytes (the cache bytes
-the kernel must read; q, indices and output are ignored), reported as GB/s and fraction of the
-device's peak bandwidth (:data:`PEAK_GBPS`, or ``peak_gbps``).
 """
 
 from __future__ import annotations
@@ -29,26 +24,16 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.bench import make_inputs
 from mla_sm120_plugin.kernels.reference import DEFAULT_MAX_CHUNK_BYTES, torch_sparse_mla
-
-# Peak DRAM bandwidth by device-name substring (FACTS.md section 5 and vendor sheets), GB/s.
-PEAK_GBPS = {
-    "RTX 5090": 1792.0,
-    "RTX PRO 6000": 1792.0,
-    "GB10": 273.0,
-    "H200": 4800.0,
-    "H100": 3350.0,
-    "B200": 8000.0,
-    "RTX 4090": 1008.0,
-}
 
 CPU_SHAPES_QUICK = [dict(num_heads=16, topk=2048, num_tokens=16)]
 CPU_SHAPES = [
@@ -63,11 +48,6 @@ CPU_KINDS = {
     "torch_sparse_mla_32MiB": SMALL_CHUNK_BYTES,
     "naive_full_gather": None,
 }
-GPU_TOPK = 2048
-GPU_HEADS = (8, 16, 64, 128)
-GPU_TOKENS = (1, 16, 64, 512)
-GPU_HEADS_QUICK = (16, 64)
-GPU_TOKENS_QUICK = (1, 64)
 
 
 class LiveTensorPeak(TorchDispatchMode):
@@ -126,30 +106,10 @@ def naive_full_gather(q, kv_cache, indices, *, sm_scale, kv_layout):
     return torch.einsum("thk,tkd->thd", probs, keys[..., : layout.KV_LORA_RANK]).to(q.dtype)
 
 
-def make_inputs(num_heads: int, topk: int, num_tokens: int, kv_layout: str = layout.FP8_DS_MLA,
-                device: str = "cpu", seed: int = 0) -> dict[str, Any]:
-    """Random q, a cache with ``max(2 * topk, 4096)`` filled slots, and in-range indices."""
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = math.ceil(max(2 * topk, 4096) / layout.PAGE_SIZE)
-    num_slots = num_pages * layout.PAGE_SIZE
-    cache = pack.make_cache(num_pages, kv_layout)
-    # Written a page at a time so that building inputs sets a low memory high-water mark (the
-    # subprocess peak measurement can only see a call that rises above it).
-    for page in range(num_pages):
-        latent = torch.randn(layout.PAGE_SIZE, layout.HEAD_DIM, generator=gen)
-        tokens = (pack.quantize_fp8_ds_mla(latent, layout.SCALE_ARBITRARY) if kv_layout == layout.FP8_DS_MLA
-                  else pack.pack_bf16(latent))
-        pack.write_to_cache(cache, tokens, page * layout.PAGE_SIZE + torch.arange(layout.PAGE_SIZE))
-    indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
-    q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
-    return dict(q=q.to(device), kv_cache=cache.to(device), indices=indices.to(device),
-                sm_scale=layout.HEAD_DIM**-0.5, kv_layout=kv_layout)
-
-
-def _call(kind: str, inputs: dict[str, Any]):
-    if CPU_KINDS[kind] is None:
+def _call(bound: int | None, inputs: dict[str, Any]):
+    if bound is None:
         return naive_full_gather(**inputs)
-    return torch_sparse_mla(**inputs, max_chunk_bytes=CPU_KINDS[kind])
+    return torch_sparse_mla(**inputs, max_chunk_bytes=bound)
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -190,10 +150,10 @@ def _peak_rss_rise(fn: Callable[[], Any]) -> tuple[int, str]:
         return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * scale, "ru_maxrss"
 
 
-def _peak_in_subprocess(kind: str, shape: dict[str, int]) -> int | None:
+def _peak_in_subprocess(bound: int | None, shape: dict[str, int]) -> int | None:
     code = (
-        "import json, sys; from mla_sm120_plugin.kernels import bench; "
-        f"print(json.dumps(bench._rss_rise({kind!r}, {shape!r})))"
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import cpu_memory; "
+        f"print(json.dumps(cpu_memory._rss_rise({bound!r}, {shape!r})))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -201,31 +161,31 @@ def _peak_in_subprocess(kind: str, shape: dict[str, int]) -> int | None:
     return int(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _rss_rise(kind: str, shape: dict[str, int]) -> int:
+def _rss_rise(bound: int | None, shape: dict[str, int]) -> int:
     inputs = make_inputs(**shape)
-    return _peak_rss_rise(lambda: _call(kind, inputs))[0]
+    return _peak_rss_rise(lambda: _call(bound, inputs))[0]
 
 
-def _cpu_results(quick: bool) -> list[dict[str, Any]]:
+def _cpu_results(quick: bool, kinds: dict[str, int | None]) -> list[dict[str, Any]]:
     rows = []
     for shape in CPU_SHAPES_QUICK if quick else CPU_SHAPES:
         inputs = make_inputs(**shape)
         row: dict[str, Any] = dict(shape, kv_layout=layout.FP8_DS_MLA)
         outs = {}
-        for kind, bound in CPU_KINDS.items():
+        for kind, bound in kinds.items():
             externals = [inputs["q"], inputs["kv_cache"], inputs["indices"]]
             with LiveTensorPeak(externals) as mode:
-                outs[kind] = _call(kind, inputs)
-            seconds = _median_seconds(lambda: _call(kind, inputs), repeats=1 if quick else 3)
+                outs[kind] = _call(bound, inputs)
+            seconds = _median_seconds(lambda: _call(bound, inputs), repeats=1 if quick else 3)
             row[kind] = dict(
                 max_chunk_bytes=bound,
                 seconds=seconds,
                 peak_live_tensor_bytes=mode.peak,
-                peak_rss_rise_bytes=_peak_in_subprocess(kind, shape),
+                peak_rss_rise_bytes=_peak_in_subprocess(bound, shape),
             )
         base = row["naive_full_gather"]
-        for kind in CPU_KINDS:
-            if CPU_KINDS[kind] is None:
+        for kind in kinds:
+            if kinds[kind] is None:
                 continue
             row[kind]["time_ratio_over_naive"] = row[kind]["seconds"] / base["seconds"]
             row[kind]["live_peak_ratio_over_naive"] = row[kind]["peak_live_tensor_bytes"] / base["peak_live_tensor_bytes"]
@@ -234,93 +194,23 @@ def _cpu_results(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _peak_for(name: str, override: float | None) -> tuple[float | None, str]:
-    if override is not None:
-        return override, "--peak-gbps"
-    for key, gbps in PEAK_GBPS.items():
-        if key in name:
-            return gbps, f"table entry {key!r}"
-    return None, "unknown device: pass --peak-gbps"
+def run_cpu_benchmarks(quick: bool = False, kinds: dict[str, int | None] | None = None) -> dict[str, Any]:
+    """The CPU report: environment, what each number measures, one row per shape (JSON-serializable).
 
-
-def _compiled_shared_bytes() -> int | None:
-    """Largest shared-memory size among the compiled Triton sparse-MLA kernels (None if unknown)."""
-    try:
-        from mla_sm120_plugin.kernels import triton as tk
-
-        sizes = []
-        for cache in tk._sparse_mla_kernel.device_caches.values():
-            for compiled in cache[0].values():
-                sizes.append(int(compiled.metadata.shared))
-        return max(sizes) if sizes else None
-    except Exception:  # noqa: BLE001 - Triton's cache layout is internal and changes between versions
-        return None
-
-
-def _gpu_results(device: str, quick: bool, peak_gbps: float | None) -> dict[str, Any]:
-    import triton.testing
-
-    from mla_sm120_plugin.kernels import api
-
-    name = torch.cuda.get_device_name(device)
-    peak, peak_source = _peak_for(name, peak_gbps)
-    rows = []
-    for heads in GPU_HEADS_QUICK if quick else GPU_HEADS:
-        for tokens in GPU_TOKENS_QUICK if quick else GPU_TOKENS:
-            inputs = make_inputs(heads, GPU_TOPK, tokens, device=device)
-            kv_bytes = tokens * GPU_TOPK * layout.FP8_DS_MLA_TOKEN_BYTES
-            row: dict[str, Any] = dict(num_heads=heads, topk=GPU_TOPK, num_tokens=tokens,
-                                       kv_layout=layout.FP8_DS_MLA, kv_bytes=kv_bytes)
-            if peak:
-                row["roofline_us"] = kv_bytes / (peak * 1e9) * 1e6
-            ref = torch_sparse_mla(**inputs)
-            for kernel in BUILTIN_KERNELS:
-                extra = {"scale_format": layout.SCALE_ARBITRARY} if kernel == "flashinfer_sparse_mla" else {}
-
-                def fn(kernel=kernel, extra=extra):
-                    return api.sparse_mla_forward(**inputs, kernel=kernel, **extra)
-
-                try:
-                    diff = (fn().float() - ref.float()).abs().max().item()
-                    ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-                except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a result
-                    row[kernel] = dict(error=f"{type(exc).__name__}: {exc}")
-                    continue
-                gbps = kv_bytes / (ms * 1e-3) / 1e9
-                row[kernel] = dict(us=ms * 1e3, gbps=gbps, max_abs_diff_vs_reference=diff,
-                                   fraction_of_peak=gbps / peak if peak else None)
-            rows.append(row)
-    return dict(device_name=name, peak_gbps=peak, peak_source=peak_source,
-                triton_shared_memory_bytes=_compiled_shared_bytes(), results=rows)
-
-
-def run_benchmarks(quick: bool = False, device: str | None = None, peak_gbps: float | None = None) -> dict:
-    """Run the benchmarks for ``device`` ("cpu", "cuda", "cuda:N"; default: cuda when available).
-
-    Returns a JSON-serializable dict: environment, what each number measures, and one row per shape.
+    kinds: which callables to measure (name -> the reference's max_chunk_bytes, None for the naive
+    gather); default :data:`CPU_KINDS`.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    report: dict[str, Any] = dict(
-        device=device,
+    return dict(
+        device="cpu",
         torch=torch.__version__,
         python=platform.python_version(),
         cpu_threads=torch.get_num_threads(),
         quick=quick,
-    )
-    if device == "cpu":
-        report["measures"] = dict(
+        measures=dict(
             seconds="median wall time of one call (after one warm-up call)",
             peak_live_tensor_bytes="max total bytes of op-created tensors alive at once, inputs excluded",
             peak_rss_rise_bytes="rise of the RSS high-water mark (VmHWM, reset before the call) in a fresh subprocess",
             naive_full_gather="all T x topk keys gathered and dequantized to fp32 at once",
-        )
-        report["cpu"] = _cpu_results(quick)
-    else:
-        report["measures"] = dict(
-            us="triton.testing.do_bench median, microseconds",
-            kv_bytes="T * topk * 656: cache bytes a call must read (the roofline numerator)",
-            gbps="kv_bytes / time",
-        )
-        report["gpu"] = _gpu_results(device, quick, peak_gbps)
-    return report
+        ),
+        cpu=_cpu_results(quick, kinds or CPU_KINDS),
+    )
