@@ -37,3 +37,19 @@ def test_gpu_quick_report(tmp_path):
     pytest.importorskip("matplotlib")
     bench.plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_plot_draws_both_ceilings(tmp_path):
+    """The picture from a report of the shape run_gpu_benchmarks returns (on a GPU, the test above
+    plots a real one): one bar per kernel and shape, a ceiling line per panel."""
+    pytest.importorskip("matplotlib")
+    row = lambda t, h, frac: dict(num_tokens=t, num_heads=h, **{  # noqa: E731
+        "triton_sparse_mla": dict(gbps=4000 * frac, tflops=700 * frac),
+        "flashinfer_sparse_mla": dict(error="KernelUnavailable: not an SM120 GPU")})
+    report = dict(device="NVIDIA H200", ceilings=dict(copy_gbps=4246.0, matmul_tflops=797.0),
+                  results=[row(1, 16, 0.1), row(64, 8, 0.5), row(2048, 128, 0.3)])
+    bench.plot(report, str(tmp_path / "bench.png"))
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(tmp_path / "bench.png"))
+    assert image.shape[0] > 400 and image.shape[1] > 600
