@@ -23,7 +23,7 @@ from typing import Any
 
 from mla_sm120_plugin.kernels import layout
 
-# arch -> (compute capability as Triton's GPUTarget takes it, shared memory a block may use).
+# Compute capability as Triton's GPUTarget takes it -> shared memory one block may use (bytes).
 ARCHES = {120: 101_376, 121: 101_376, 90: 232_448}
 WARP_SIZE = 32
 _REPRESENTATIVE_TOKENS = 4  # strides below come from a [4, H, 576] q; any T > 1 specializes the same
@@ -36,9 +36,10 @@ def _describe(describe: dict[str, Any]) -> str:
 
 def launches() -> list[Any]:
     """One :class:`~mla_sm120_plugin.kernels.triton.Launch` per distinct variant the dispatcher can
-    launch: cache layout x q dtype (out follows q) x final/split x every block configuration of
-    :func:`~mla_sm120_plugin.kernels.triton.launch_config`, with its combine kernel. Built by the
-    same ``launch_plan`` a call runs, on small CPU tensors (never launched)."""
+    launch: cache layout x output dtype (q's: bf16 or fp32; q itself is always bf16 on a GPU) x
+    final/split x every block configuration of :func:`~mla_sm120_plugin.kernels.triton.launch_config`,
+    with the combine kernel for each output dtype. Built by the same ``launch_plan`` a call runs, on
+    small CPU tensors (never launched)."""
     import torch
 
     from mla_sm120_plugin.kernels import pack

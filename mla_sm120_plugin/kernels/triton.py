@@ -17,12 +17,12 @@ accumulators. q is *not* kept in registers across the loop: a 16-row slab of a 5
 is 144 registers per thread in every warp that multiplies with it, which is what made the first
 version spill. Each step reloads its q tile (from L1; the cache bytes dominate the traffic), and
 the value tiles are re-read after the softmax (the same bytes as the key tiles, an L1 hit)
-instead of keeping a 64 x 512 key block live through it.
+instead of keeping a ``BLOCK_K`` x 512 key block live through it.
 
 Numerics. Dot operands are bfloat16 on a GPU (fp8 keys and bf16 rope/cache/q convert exactly;
 the probabilities round to 8 bits) with fp32 accumulation; each 128-wide tile's fp8 scale is
 applied to the fp32 scores and to the probabilities, never folded into a rounded key. An fp32 q
-is rounded to bfloat16 for its dot.
+is converted to bfloat16 before the launch (the dot would round it anyway); out keeps q's dtype.
 
 CPU. Under ``TRITON_INTERPRET=1`` the kernel runs on numpy. Loads, stores and casts of bfloat16
 work there, but a ``tl.dot`` on bfloat16 operands does not (it multiplies raw bits), so the
@@ -30,7 +30,7 @@ interpreter path (``DOT_BF16=False``) widens the operands to fp32 instead; and t
 fp32 -> bfloat16 cast truncates where a GPU rounds to nearest even (one bf16 ulp at most).
 
 Variants. The constexpr parameters are the cache layout, final/split, ``BLOCK_H``, ``BLOCK_K``
-and ``DOT_BF16``; q's dtype and the output's are the pointer types. Whether ``topk_length``,
+and ``DOT_BF16``; the output's dtype is its pointer type (q is bf16 on a GPU). Whether ``topk_length``,
 ``sink`` and the LSE are used is decided by runtime scalars (never specialized), so they do not
 multiply the compiled variants. :mod:`mla_sm120_plugin.kernels.compile_gate` compiles every variant
 :func:`launch_config` can pick, for sm_120a, sm_121a and sm_90a, without a GPU.
@@ -417,6 +417,7 @@ class Launch:
     args: the positional (runtime) arguments
     constexprs: the constexpr keyword arguments
     num_warps: warps a program runs
+    num_stages: software-pipelining depth
     describe: the variant as the compile report names it (dtypes and constexpr values)
     """
 
