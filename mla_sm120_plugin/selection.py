@@ -167,6 +167,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     ctx = dataclasses.replace(ctx, kv_scale_format=scale_format)
 
     chosen: dict[str, str] = {}
+    alternates: dict[str, tuple[str, ...]] = {}
     rejections: list[Rejection] = []
     problems: list[str] = []
     skipped = False
@@ -199,6 +200,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 )
             pick = override or names[0]
         chosen[phase] = pick
+        alternates[phase] = tuple(name for name in names if name != pick)
         for name, reasons in rejected.items():
             rejections.append(Rejection(name, phase, reasons))
         for name in names:
@@ -226,6 +228,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
         scale_format=scale_format,
         rejections=tuple(rejections),
         notes=notes,
+        alternates=alternates,
     )
 
 

@@ -206,6 +206,9 @@ class KernelSpec:
     :param envelope: extra per-phase shape checks.
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
     :param description: one line for tables.
+    :param tolerance: the largest difference from the torch reference the kernel promises, as a
+        fraction of the reference output's largest magnitude; the self-check at engine init
+        (:mod:`mla_sm120_plugin.kernels.selfcheck`) holds it to this.
     """
 
     name: str
@@ -223,6 +226,7 @@ class KernelSpec:
     envelope: Envelope | None = field(default=None, compare=False)
     graph_safe: bool = True
     description: str = ""
+    tolerance: float = 1e-2
 
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
@@ -256,6 +260,10 @@ class KernelSpec:
         for attr in ("probe", "envelope"):
             if getattr(self, attr) is not None and not callable(getattr(self, attr)):
                 raise PluginError(format_error(f"{owner}.{attr}={getattr(self, attr)!r}", "a callable or None", "fix it"))
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            raise PluginError(format_error(f"{owner}.tolerance={tol!r}", "a float in (0, 1): a fraction of the "
+                                           "reference output's magnitude", "state the kernel's accuracy, e.g. 1e-2"))
 
 
 @dataclass(frozen=True)
@@ -325,6 +333,8 @@ class Decision:
     :param scale_format: the resolved fp8 scale format.
     :param rejections: every kernel not chosen, per phase, with its reasons.
     :param notes: things worth a log line that are not rejections (skipped probes).
+    :param alternates: phase -> the other kernels that could serve it, best first (where the
+        self-check falls back to when the chosen one fails on this machine).
     """
 
     context: SelectionContext
@@ -333,6 +343,7 @@ class Decision:
     scale_format: str
     rejections: tuple[Rejection, ...] = ()
     notes: tuple[str, ...] = ()
+    alternates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def prefill(self) -> str:
