@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh plugin registry and probe cache around every test.
+"""Shared fixtures: a fresh plugin registry, probe cache and self-check cache around every test.
 
 Without a GPU, Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must be set
 before triton is first imported (vLLM imports it too), so it is set here, before any test module.
@@ -27,23 +27,38 @@ def _fresh_registry():
     from mla_sm120_plugin.hooks.manager import reset_registry
     from mla_sm120_plugin.selection import clear_probe_cache
 
-    reset_registry()
-    clear_probe_cache()
+    def clear():
+        reset_registry()
+        clear_probe_cache()
+        if "mla_sm120_plugin.kernels.selfcheck" in sys.modules:  # imports torch: only when used
+            sys.modules["mla_sm120_plugin.kernels.selfcheck"].clear_cache()
+
+    clear()
     yield
-    reset_registry()
-    clear_probe_cache()
+    clear()
+
+
+def _pip_install_target(tmp_path_factory, fixture: str) -> Path:
+    """pip-install the fixture distribution ``tests/fixtures/<fixture>`` into its own target dir."""
+    target = tmp_path_factory.mktemp(fixture)
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+            "--target", str(target), str(FIXTURES / fixture),
+        ],
+        check=True,
+    )
+    return target
 
 
 @pytest.fixture(scope="session")
 def demo_plugin_path(tmp_path_factory) -> Path:
     """The demo third-party plugin, pip-installed into its own target dir as a user would."""
-    target = tmp_path_factory.mktemp("demo_site")
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-            "--target", str(target), str(FIXTURES / "demo_plugin"),
-        ],
-        check=True,
-    )
-    return target
+    return _pip_install_target(tmp_path_factory, "demo_plugin")
+
+
+@pytest.fixture(scope="session")
+def noscale_plugin_path(tmp_path_factory) -> Path:
+    """A third-party kernel that ignores the fp8 scales, pip-installed into its own target dir."""
+    return _pip_install_target(tmp_path_factory, "noscale_plugin")
 

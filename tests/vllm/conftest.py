@@ -79,8 +79,26 @@ def selector_kwargs(kv_cache_dtype: str, cap: tuple[int, int]) -> dict:
 def _fresh_backend_state():
     from mla_sm120_plugin.integration.vllm import backend
 
-    backend._decisions.clear()
-    backend._selector_capability.clear()
+    for state in (backend._decisions, backend._selector_capability, backend._logged):
+        state.clear()
     yield
-    backend._decisions.clear()
-    backend._selector_capability.clear()
+    for state in (backend._decisions, backend._selector_capability, backend._logged):
+        state.clear()
+
+
+def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float):
+    """The plugin's impl as vLLM's DSA attention layer constructs it (GLM-5 geometry), after the
+    selector has validated the configuration, inside ``vllm_config``."""
+    from vllm.config import set_current_vllm_config
+
+    from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, MlaSm120Impl
+
+    topk_buffer = torch.full((vllm_config.scheduler_config.max_num_batched_tokens, topk), -1, dtype=torch.int32)
+    with set_current_vllm_config(vllm_config):
+        assert MlaSm120Backend.validate_configuration(**selector_kwargs(kv_cache_dtype, (12, 0))) == []
+        return MlaSm120Impl(
+            num_heads=heads, head_size=576, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
+            v_head_dim=256, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
+        )

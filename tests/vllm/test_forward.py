@@ -13,12 +13,12 @@ import types
 
 import pytest
 import torch
-from conftest import make_vllm_config, selector_kwargs, write_model
+from conftest import make_impl, make_vllm_config, write_model
 from vllm.config import set_current_vllm_config
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
-from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, MlaSm120Impl
+from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
 
@@ -107,15 +107,9 @@ def test_forward_mqa_mixed_batch_matches_dense_math(tmp_path, cpu_vllm, kv_dtype
         topk_buffer_width=TOPK, is_index_group_leader=True,
     ))
     scale = (192 + 64) ** -0.5
-    topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32)
+    impl = make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype=kv_dtype, scale=scale)
+    topk_buffer = impl.topk_indices_buffer
     with set_current_vllm_config(vc):
-        assert MlaSm120Backend.validate_configuration(**selector_kwargs(kv_dtype, (12, 0))) == []
-        impl = MlaSm120Impl(
-            num_heads=HEADS, head_size=576, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-            kv_cache_dtype=kv_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
-            v_head_dim=256, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
-        )
         builder = MlaSm120Backend.get_builder_cls()(spec, [LAYER], vc, torch.device("cpu"))
         md = builder.build(common_prefix_len=0, common_attn_metadata=_common_metadata())
     assert impl.decision.decode == TRITON and impl.decision.prefill == TORCH

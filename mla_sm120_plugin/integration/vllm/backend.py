@@ -29,6 +29,7 @@ from ... import config as config_mod
 from ... import device as device_mod
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
+from ...kernels import selfcheck
 from ...kernels.binding import BoundKernel, bind
 from ...kernels.layout import BF16, FP8_DS_MLA, HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
 from ...modelinfo import facts_from_hf_config
@@ -210,11 +211,21 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         self.decision = decide(vllm_config, self.kv_cache_dtype, *cap)
         ctx = self.decision.context
         self.kv_layout = ctx.kv_cache_dtype
-        self._kernels: dict[str, BoundKernel] = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
-        self._single_kernel = self.decision.decode == self.decision.prefill
+        kernels = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
+        # Proved here, while vLLM builds the model: before any weight loads and before graph
+        # capture, on its own small buffers. Results are per process, so later layers reuse them.
+        check_mode = selfcheck.mode()
+        if check_mode == "off":
+            check_line = f"mla_sm120: self-check skipped ({selfcheck.ENV}=off)"
+        else:
+            kernels, check_line = selfcheck.verify(self.decision, kernels, q_dtype="bf16", device=_engine_device(),
+                                                   strict=check_mode == "strict")
+        self._kernels: dict[str, BoundKernel] = kernels
+        self._single_kernel = kernels[DECODE].name == kernels[PREFILL].name
         if ctx not in _logged:
             _logged.add(ctx)
             logger.info("%s", self.decision.log_line())
+            logger.info("%s", check_line)
 
     def _run(self, phase: str, q: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         kernel = self._kernels[phase]
@@ -266,6 +277,13 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             self._run(DECODE, q[:nd], kv_rows, slots[:nd], out[:nd])
             self._run(PREFILL, q[nd:], kv_rows, slots[nd:], out[nd:])
         return out, None
+
+
+def _engine_device() -> torch.device:
+    """Where this worker runs the kernels: its current CUDA device, or the CPU without one."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _device_capability() -> tuple[int, int]:

@@ -1,0 +1,251 @@
+"""Prove a bound kernel on this machine, at engine init, before any weight loads.
+
+A kernel that does not compile here (a Triton or FlashInfer JIT failure) or reads the cache wrong
+(a scale-format mix-up: vllm#54563) would otherwise show at the engine's first forward, after the
+weights have loaded, or never. :func:`check` runs the kernel once on a small deterministic case in
+the real cache layout and scale format, with the real heads per rank, top-k and q dtype, and
+adversarial candidates (-1, out of range, duplicates, a short ``topk_length``), and compares it
+with the torch reference within the kernel's declared ``KernelSpec.tolerance``. Results are kept
+per process and per :class:`CheckKey`, so 78 layers pay for one check.
+
+:func:`verify` applies it to a decision: a kernel that fails is replaced by the next kernel the
+decision allows for that phase (that passes its own check), or the engine stops with
+:class:`~mla_sm120_plugin.errors.UnsupportedConfiguration`. ``MLA_SM120_SELF_CHECK`` chooses:
+``on`` (default), ``off`` (skip, logged) or ``strict`` (a failure raises, no fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_sm120_plugin.errors import UnsupportedConfiguration, format_error
+from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.binding import BoundKernel, bind
+from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+
+ENV = "MLA_SM120_SELF_CHECK"
+MODES = ("on", "off", "strict")
+NUM_PAGES = 4
+# Tokens a call checks, per phase. On a GPU, prefill takes more than 64 tokens: FlashInfer's
+# prefill path starts there. The CPU (Triton's interpreter) checks a few tokens per phase.
+TOKENS_GPU = {"decode": 2, "prefill": 65}
+TOKENS_CPU = {"decode": 2, "prefill": 3}
+_TILE_GAINS = (0.5, 1.0, 2.0, 4.0)  # tiles of different magnitude, so a wrong per-tile scale shows
+
+
+@dataclass(frozen=True)
+class CheckKey:
+    """What makes two self-checks different; one check per key and process."""
+
+    kernel: str
+    phase: str
+    kv_layout: str
+    scale_format: str  # what the kernel is told
+    written_format: str  # how the case's cache scales are written
+    num_heads: int
+    topk: int
+    q_dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one self-check.
+
+    :param key: what was checked.
+    :param ran: the kernel ran (compiled and returned); False when it raised.
+    :param max_error: max |kernel - reference| / max |reference|; None when it did not run.
+    :param tolerance: the kernel's declared tolerance.
+    :param seconds: wall time of the kernel call and the comparison (first compilation included).
+    :param error: why it failed, in one line; None when it passed.
+    """
+
+    key: CheckKey
+    ran: bool
+    max_error: float | None
+    tolerance: float
+    seconds: float
+    error: str | None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None
+
+    def summary(self) -> str:
+        if self.passed:
+            return f"{self.key.kernel} ok (max error {self.max_error:.2e} <= {self.tolerance:.0e}, {self.seconds:.2f} s)"
+        where = f" on {self.key.written_format}-written scales" if self.key.kv_layout == layout.FP8_DS_MLA else ""
+        return f"{self.key.kernel} FAILED{where} ({self.error})"
+
+
+_results: dict[CheckKey, CheckResult] = {}
+
+
+def mode() -> str:
+    """``MLA_SM120_SELF_CHECK``: on (default), off or strict.
+
+    :raises UnsupportedConfiguration: any other value.
+    """
+    value = os.environ.get(ENV, "on").strip().lower() or "on"
+    if value not in MODES:
+        raise UnsupportedConfiguration(format_error(f"{ENV}={os.environ.get(ENV)!r}", f"one of {list(MODES)}",
+                                                    f"unset {ENV}, or set it to off or strict"))
+    return value
+
+
+def clear_cache() -> None:
+    """Forget every result (tests)."""
+    _results.clear()
+
+
+def _case(key: CheckKey, device: torch.device) -> dict[str, Any]:
+    """The deterministic inputs of a check: a flat cache of a few pages, adversarial candidates."""
+    gen = torch.Generator().manual_seed(0)
+    num_slots = NUM_PAGES * layout.PAGE_SIZE
+    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen)  # [S, 576]
+    latent[:, : layout.KV_LORA_RANK] *= torch.tensor(_TILE_GAINS).repeat_interleave(layout.FP8_TILE)
+    if key.kv_layout == layout.FP8_DS_MLA:
+        rows = pack.quantize_fp8_ds_mla(latent, key.written_format)  # [S, 656] uint8
+    else:
+        rows = pack.pack_bf16(latent)  # [S, 576] bf16
+    tokens = (TOKENS_GPU if device.type == "cuda" else TOKENS_CPU)[key.phase]
+    indices = torch.randint(0, num_slots, (tokens, key.topk), generator=gen, dtype=torch.int32)  # [T, topk]
+    row0 = indices[0]
+    row0[: min(4, key.topk)] = torch.tensor([-1, num_slots, num_slots + 1000, 3], dtype=torch.int32)[: min(4, key.topk)]
+    if key.topk > 5:
+        row0[5] = row0[4]  # a duplicate counts twice
+    topk_length = torch.full((tokens,), key.topk, dtype=torch.int32)
+    if tokens > 1:
+        topk_length[1] = max(1, key.topk // 3)
+    q = torch.randn(tokens, key.num_heads, layout.HEAD_DIM, generator=gen)  # [T, H, 576]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[key.q_dtype]
+    return dict(q=q.to(dtype).to(device), kv_cache=rows.to(device), indices=indices.to(device),
+                topk_length=topk_length.to(device), sm_scale=layout.HEAD_DIM**-0.5, kv_layout=key.kv_layout)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str, num_heads: int, topk: int,
+          q_dtype: str = "bf16", device: torch.device | str = "cpu", written_format: str | None = None) -> CheckResult:
+    """Run ``kernel`` once on this machine against the torch reference (cached per key).
+
+    :param kernel: the bound kernel.
+    :param phase: "decode" or "prefill" (sets the number of tokens).
+    :param kv_layout: "fp8_ds_mla" or "bf16".
+    :param scale_format: the scale format the kernel is told ("pow2" or "arbitrary").
+    :param num_heads: heads per rank.
+    :param topk: the index top-k.
+    :param q_dtype: "bf16" (what engines pass) or "fp32".
+    :param device: where the engine runs the kernel.
+    :param written_format: how the case's scales are written (default: ``scale_format``).
+    :returns: the :class:`CheckResult`; never raises for a failing kernel.
+    """
+    from mla_sm120_plugin.hooks.manager import get_registry
+
+    device = torch.device(device)
+    key = CheckKey(kernel.name, phase, kv_layout, scale_format, written_format or scale_format, num_heads, topk,
+                   q_dtype, str(device))
+    if key in _results:
+        return _results[key]
+    tolerance = get_registry().kernels[kernel.name].tolerance
+    inputs = _case(key, device)
+    start = time.perf_counter()
+    max_error: float | None = None
+    try:
+        kwargs: dict[str, Any] = dict(sm_scale=inputs["sm_scale"], kv_layout=kv_layout, topk_length=inputs["topk_length"])
+        if kernel.takes_scale_format:
+            kwargs["scale_format"] = scale_format
+        out = kernel.fn(inputs["q"], inputs["kv_cache"], inputs["indices"], **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
+        result = CheckResult(key, False, None, tolerance, time.perf_counter() - start, _one_line(exc))
+    else:
+        # The reference in fp32 throughout (a bf16 output of its own would add a rounding step
+        # the kernel's output is then measured against).
+        ref = torch_sparse_mla(inputs["q"].float(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                               kv_layout=kv_layout, topk_length=inputs["topk_length"])
+        diff = (out.float() - ref).abs()
+        scale = max(ref.abs().max().item(), 1e-30)
+        max_error = diff.max().item() / scale if diff.numel() else 0.0
+        error = None
+        if out.shape != ref.shape:
+            error = f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+        elif not max_error <= tolerance:  # NaN fails too
+            error = f"max error {max_error:.3g} of the output's magnitude > tolerance {tolerance:g}"
+        result = CheckResult(key, True, max_error, tolerance, time.perf_counter() - start, error)
+    del inputs
+    _results[key] = result
+    return result
+
+
+def verify(decision: Any, kernels: dict[str, BoundKernel], *, q_dtype: str, device: torch.device | str,
+           strict: bool) -> tuple[dict[str, BoundKernel], str]:
+    """Self-check each phase's bound kernel; fall back along ``decision.alternates`` on failure.
+
+    :param decision: the :class:`~mla_sm120_plugin.types.Decision` the kernels were bound from.
+    :param kernels: phase -> bound kernel.
+    :param q_dtype: the q dtype the engine passes ("bf16").
+    :param device: the engine's device.
+    :param strict: raise on the first failure instead of falling back.
+    :returns: phase -> the kernel to run (rebound where a fallback took over), and one log line
+        with every result, each fallback and the time spent.
+    :raises UnsupportedConfiguration: a phase whose kernel failed has no alternate that passes
+        (or ``strict``).
+    """
+    ctx = decision.context
+    start = time.perf_counter()
+    chosen: dict[str, BoundKernel] = {}
+    parts: list[str] = []
+    # A kernel told "arbitrary" must also read power-of-two scales right: vLLM 0.33's DSA cache
+    # writer stores pow2 scales for every model, GLM included. One told "pow2" reads only pow2.
+    written = [decision.scale_format]
+    if ctx.kv_cache_dtype == layout.FP8_DS_MLA and decision.scale_format == layout.SCALE_ARBITRARY:
+        written.append(layout.SCALE_POW2)
+
+    def run(kernel: BoundKernel, phase: str) -> CheckResult:
+        """The kernel's first failing check for ``phase``, or its last passing one."""
+        for fmt in written:
+            result = check(kernel, phase=phase, kv_layout=ctx.kv_cache_dtype, scale_format=decision.scale_format,
+                           written_format=fmt, num_heads=ctx.num_heads, topk=ctx.index_topk, q_dtype=q_dtype,
+                           device=device)
+            if not result.passed:
+                return result
+        return result
+
+    for phase, bound in kernels.items():
+        result = run(bound, phase)
+        if result.passed:
+            chosen[phase] = bound
+            parts.append(f"{phase}={result.summary()}")
+            continue
+        failures = [result]
+        if not strict:
+            for name in decision.alternates.get(phase, ()):
+                alternate = bind(name)
+                alt_result = run(alternate, phase)
+                if alt_result.passed:
+                    chosen[phase] = alternate
+                    parts.append(f"{phase}={result.summary()}; falling back to {alt_result.summary()}")
+                    break
+                failures.append(alt_result)
+        if phase not in chosen:
+            tried = "; ".join(f"{r.key.kernel}: {r.error}" for r in failures)
+            raise UnsupportedConfiguration(format_error(
+                f"{ctx.describe()}: {phase} kernel {bound.name} failed its self-check on {device} "
+                f"({result.error})" + ("" if strict else f"; alternates tried: {tried if len(failures) > 1 else 'none'}"),
+                f"a {phase} kernel that matches the torch reference within its declared tolerance here",
+                "force another kernel (decode_kernel / prefill_kernel in the plugin config), fix or update the "
+                f"failing kernel's package, or set {ENV}=off to skip the check (at your own risk)"
+                + ("" if not strict else f"; {ENV}=on falls back instead of raising"),
+            ))
+    line = f"mla_sm120: self-check: {'; '.join(parts)}; {time.perf_counter() - start:.2f} s"
+    return chosen, line

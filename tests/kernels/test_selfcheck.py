@@ -1,0 +1,113 @@
+"""The self-check: built-in kernels pass on this device; wrong or failing kernels are caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import DEVICE
+from mla_sm120_plugin.errors import UnsupportedConfiguration
+from mla_sm120_plugin.hooks.manager import get_registry, reset_registry
+from mla_sm120_plugin.kernels import layout, selfcheck
+from mla_sm120_plugin.kernels.binding import bind
+from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+
+CASES = [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY), (layout.FP8_DS_MLA, layout.SCALE_POW2), (layout.BF16, layout.SCALE_ARBITRARY)]
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.parametrize("kv_layout, scale_format", CASES)
+@pytest.mark.parametrize("kernel", [TRITON, TORCH])
+def test_builtin_kernels_pass_here(kernel, kv_layout, scale_format, phase):
+    result = selfcheck.check(bind(kernel), phase=phase, kv_layout=kv_layout, scale_format=scale_format,
+                             num_heads=5, topk=100, device=DEVICE)
+    assert result.passed, result
+    assert result.ran and result.max_error <= get_registry().kernels[kernel].tolerance
+    again = selfcheck.check(bind(kernel), phase=phase, kv_layout=kv_layout, scale_format=scale_format,
+                            num_heads=5, topk=100, device=DEVICE)
+    assert again is result, "one check per key and process"
+
+
+@pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
+def test_a_kernel_that_ignores_the_scales_is_caught(noscale_plugin_path, monkeypatch, scale_format):
+    monkeypatch.syspath_prepend(str(noscale_plugin_path))
+    reset_registry()
+    result = selfcheck.check(bind("noscale_sparse_mla"), phase="decode", kv_layout=layout.FP8_DS_MLA,
+                             scale_format=scale_format, num_heads=5, topk=100, device=DEVICE)
+    assert result.ran and not result.passed
+    assert result.max_error > 0.1 and "tolerance" in result.error, result
+
+
+def test_a_kernel_that_raises_is_reported_not_raised(demo_plugin_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(demo_plugin_path))
+    monkeypatch.setenv("MLA_SM120_DISABLE_PLUGINS", "demo_broken_import,demo_wrong_type,demo_duplicate")
+    reset_registry()
+    result = selfcheck.check(bind("demo_sparse_mla"), phase="decode", kv_layout=layout.FP8_DS_MLA,
+                             scale_format=layout.SCALE_POW2, num_heads=4, topk=64, device=DEVICE)
+    assert not result.ran and result.max_error is None
+    assert result.error.startswith("NotImplementedError: demo kernel"), result.error
+
+
+@pytest.mark.parametrize("value, expected", [("", "on"), ("OFF", "off"), ("strict", "strict")])
+def test_mode_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv(selfcheck.ENV, value)
+    assert selfcheck.mode() == expected
+
+
+def test_unknown_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(selfcheck.ENV, "sometimes")
+    with pytest.raises(UnsupportedConfiguration, match=r"given: MLA_SM120_SELF_CHECK='sometimes'.*fix:"):
+        selfcheck.mode()
+
+
+def _doctor_checks(**kwargs):
+    import json
+
+    from helpers import run_cli
+
+    done = run_cli("doctor", "--self-check", "--json", **kwargs)
+    return done, json.loads(done.stdout)["self_check"]
+
+
+def test_doctor_self_check_passes_the_builtin_kernels_here():
+    done, checks = _doctor_checks()
+    assert done.returncode == 0, done.stderr
+    seen = {(c["kernel"], c["kv_layout"]) for c in checks if c["passed"]}
+    for kernel in (TRITON, TORCH):
+        for kv_layout in layout.KV_LAYOUTS:
+            assert (kernel, kv_layout) in seen, checks
+    assert all(c["ran"] and c["max_error"] <= c["tolerance"] for c in checks)
+
+
+def test_doctor_self_check_exits_2_on_a_wrong_third_party_kernel(noscale_plugin_path):
+    done, checks = _doctor_checks(pythonpath=noscale_plugin_path)
+    assert done.returncode == 2
+    wrong = [c for c in checks if c["kernel"] == "noscale_sparse_mla"]
+    assert wrong and not any(c["passed"] for c in wrong)
+    assert all(c["passed"] for c in checks if c["kernel"] != "noscale_sparse_mla")
+
+
+@pytest.mark.parametrize("tolerance", [0, -1e-3, 1.0, float("nan"), "1e-2", True])
+def test_a_kernel_must_state_a_usable_tolerance(tolerance):
+    from mla_sm120_plugin.errors import PluginError
+    from mla_sm120_plugin.types import KernelSpec
+
+    with pytest.raises(PluginError, match=r"tolerance=.*supported: a float in \(0, 1\)"):
+        KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"bf16"}, vendors={"cpu"}, priority=1,
+                   entry="m:f", tolerance=tolerance)
+
+
+def test_arbitrary_kernels_are_checked_on_pow2_written_caches_too():
+    """vLLM 0.33 writes power-of-two scales even for GLM (arbitrary): verify checks both."""
+    from mla_sm120_plugin.selection import select
+    from mla_sm120_plugin.types import DeviceInfo, SelectionContext
+
+    decision = select(SelectionContext(
+        model_arch="GlmMoeDsaForCausalLM", kv_cache_dtype=layout.FP8_DS_MLA, num_heads=5, index_topk=100,
+        device=DeviceInfo("nvidia", 12, 0, source="--sm"), decode_kernel=TRITON, prefill_kernel=TORCH))
+    assert decision.scale_format == layout.SCALE_ARBITRARY
+    kernels, line = selfcheck.verify(decision, {"decode": bind(TRITON), "prefill": bind(TORCH)}, q_dtype="bf16",
+                                     device=DEVICE, strict=True)
+    assert [k.name for k in kernels.values()] == [TRITON, TORCH]
+    written = {key.written_format for key in selfcheck._results if key.kernel == TRITON}
+    assert written == {layout.SCALE_ARBITRARY, layout.SCALE_POW2}, written
+    assert line.startswith("mla_sm120: self-check: decode=triton_sparse_mla ok")
