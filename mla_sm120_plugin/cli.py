@@ -102,11 +102,69 @@ def doctor_report() -> dict[str, Any]:
     }
 
 
+# The self-check's shapes for `doctor --self-check`: GLM-5 at TP4 on a GPU; on the CPU (Triton's
+# interpreter) a smaller top-k keeps it to seconds.
+SELF_CHECK_HEADS = 16
+SELF_CHECK_TOPK = {"gpu": 2048, "cpu": 128}
+
+
+def self_check_rows() -> list[dict[str, Any]]:
+    """Self-check every kernel that can run on this machine, per phase, layout and scale format.
+
+    On a machine without a GPU the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET``
+    is set here, before triton is imported, unless the caller set it).
+    """
+    import os
+
+    from . import device as device_mod
+
+    dev = device_mod.detect(use_torch=True)
+    if not dev.is_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from .hooks.manager import get_registry
+    from .kernels import selfcheck
+    from .kernels.binding import bind
+    from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
+    from .selection import probe_reasons
+
+    on_gpu = torch.cuda.is_available()
+    target = "cuda" if on_gpu else "cpu"
+    topk = SELF_CHECK_TOPK["gpu" if on_gpu else "cpu"]
+    rows = []
+    for name, spec in get_registry().kernels.items():
+        if probe_reasons(spec, dev):
+            continue  # `doctor` already says why it cannot run here
+        for kv_layout in sorted(spec.kv_cache_dtypes):
+            for scale_format in SCALE_FORMATS if kv_layout == FP8_DS_MLA else (SCALE_FORMATS[1],):
+                for phase in sorted(spec.phases):
+                    row = dict(kernel=name, phase=phase, kv_layout=kv_layout,
+                               scale_format=scale_format if kv_layout == FP8_DS_MLA else None,
+                               heads=SELF_CHECK_HEADS, topk=topk, device=target)
+                    try:
+                        result = selfcheck.check(bind(name), phase=phase, kv_layout=kv_layout,
+                                                 scale_format=scale_format, num_heads=SELF_CHECK_HEADS,
+                                                 topk=topk, device=target)
+                    except MlaSm120Error as exc:  # the entry does not import
+                        row.update(ran=False, passed=False, max_error=None, tolerance=spec.tolerance,
+                                   seconds=0.0, error=f"{type(exc).__name__}: {exc}")
+                    else:
+                        row.update(ran=result.ran, passed=result.passed, max_error=result.max_error,
+                                   tolerance=result.tolerance, seconds=result.seconds, error=result.error)
+                    rows.append(row)
+    return rows
+
+
 def _doctor(args: argparse.Namespace) -> int:
+    checks = self_check_rows() if args.self_check else None
     report = doctor_report()
+    failed = bool(checks) and not all(row["passed"] for row in checks)
+    if checks is not None:
+        report["self_check"] = checks
     if args.json:
         print(json.dumps(report, indent=2))
-        return EXIT_OK
+        return EXIT_UNSERVABLE if failed else EXIT_OK
     print(f"python      {report['python']}")
     for dist, ver in report["packages"].items():
         print(f"{dist:<18} {ver or 'not installed'}")
@@ -124,7 +182,18 @@ def _doctor(args: argparse.Namespace) -> int:
     for k in report["kernels"]:
         status = "can run here" if k["can_run_here"] else "cannot run here: " + "; ".join(k["reasons"])
         print(f"  {k['name']:<24} prio {k['priority']:<4} {status}  [{k['provider']}]")
-    return EXIT_OK
+    if checks is not None:
+        print(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
+              f"on {checks[0]['device'] if checks else '-'}; max error as a fraction of the output's magnitude):")
+        print(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'max error':>10} {'tolerance':>10} {'time':>8}  result")
+        for c in checks:
+            cache = c["kv_layout"] + (f"/{c['scale_format']}" if c["scale_format"] else "")
+            err = f"{c['max_error']:.2e}" if c["max_error"] is not None else "-"
+            print(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} {err:>10} "
+                  f"{c['tolerance']:>10.0e} {c['seconds']:>7.2f}s  {'ok' if c['passed'] else 'FAILED: ' + c['error']}")
+        if not checks:
+            print("  no kernel can run on this machine")
+    return EXIT_UNSERVABLE if failed else EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -189,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="versions, GPU, plugins and kernel probes on this machine")
     doctor.add_argument("--json", action="store_true")
+    doctor.add_argument("--self-check", action="store_true",
+                        help="run every kernel that can run here against the torch reference; exit 2 if one fails")
     doctor.set_defaults(func=_doctor)
 
     bench = sub.add_parser("bench", help="kernel timings on this GPU, or compile reports for any GPU (JSON)")
