@@ -111,6 +111,7 @@ NUM_WARPS = 8
 NUM_STAGES = 2
 
 
+@functools.lru_cache(maxsize=4096)
 def launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
     """Pick the split count, deterministically (no autotuning at serve time).
 
@@ -119,11 +120,6 @@ def launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> L
     ``block_k`` step and at most :data:`MAX_SPLITS`. Empty splits are avoided by recomputing the
     count from the steps per split. Many tokens therefore get one split (prefill path), few tokens many.
     """
-    return _launch_config(num_tokens, num_heads, topk, num_sms)
-
-
-@functools.lru_cache(maxsize=4096)
-def _launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
     num_k_blocks = _cdiv(max(topk, 1), BLOCK_K)
     programs = num_tokens * _cdiv(num_heads, BLOCK_H)
     wanted = _cdiv(2 * num_sms, max(programs, 1))
@@ -535,7 +531,7 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
         return (out, lse) if return_lse else out
     interpret = _interpreting() or device.type == "cpu"
     num_sms = DEFAULT_NUM_SMS if device.type != "cuda" else _num_sms(device.index or 0)
-    cfg = config or _launch_config(num_tokens, num_heads, indices.shape[1], num_sms)
+    cfg = config or launch_config(num_tokens, num_heads, indices.shape[1], num_sms)
     for launch in launch_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                               topk_length=topk_length, sink=sink, out=out, lse=lse, lse_base=lse_base,
                               cfg=cfg, interpret=interpret):
