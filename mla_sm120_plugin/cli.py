@@ -227,14 +227,14 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = bench.run_gpu_benchmarks(device=args.device or "cuda", quick=args.quick)
         text = json.dumps(result, indent=2)
-        if args.plot:
-            bench.plot(result, args.plot)
         ok = True
     if args.json or not args.compile_only:
         print(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
+    if args.plot and not args.compile_only:
+        bench.plot(result, args.plot)  # after the JSON is out: a missing matplotlib loses no numbers
     return EXIT_OK if ok else EXIT_UNSERVABLE
 
 
