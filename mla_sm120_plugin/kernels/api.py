@@ -195,12 +195,9 @@ def sparse_mla_forward(
     bound = bind(kernel)
     kwargs = dict(sm_scale=scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink, out=out,
                   return_lse=return_lse, lse_base=lse_base)
-    if bound.takes_scale_format:
-        # Only kernels that hand the format to native code take it (FlashInfer); the others read
-        # each tile's stored scale as a value.
-        if scale_format is None and bound.needs_scale_format:
-            raise _fail("scale_format", "None", f"one of {layout.SCALE_FORMATS} for kernel={kernel!r}",
-                        "pass 'pow2' for DeepSeek-V3.2 caches or 'arbitrary' for GLM caches")
-        if scale_format is not None:
-            kwargs["scale_format"] = scale_format
-    return bound.fn(q, kv_cache, indices, **kwargs)
+    # Only kernels that hand the format to native code take it (FlashInfer); the others read each
+    # tile's stored scale as a value.
+    if scale_format is None and bound.needs_scale_format:
+        raise _fail("scale_format", "None", f"one of {layout.SCALE_FORMATS} for kernel={kernel!r}",
+                    "pass 'pow2' for DeepSeek-V3.2 caches or 'arbitrary' for GLM caches")
+    return bound.call(q, kv_cache, indices, scale_format=scale_format, **kwargs)

@@ -79,12 +79,9 @@ def _kernel_fn(name: str, inputs: dict[str, Any]):
     from mla_sm120_plugin.kernels.binding import bind
 
     bound = bind(name)
-    kwargs = dict(sm_scale=inputs["sm_scale"], kv_layout=inputs["kv_layout"],
-                  out=torch.empty(*inputs["q"].shape[:2], layout.KV_LORA_RANK, dtype=torch.bfloat16,
-                                  device=inputs["q"].device))
-    if bound.takes_scale_format:
-        kwargs["scale_format"] = layout.SCALE_ARBITRARY
-    return lambda: bound.fn(inputs["q"], inputs["kv_cache"], inputs["indices"], **kwargs)
+    out = torch.empty(*inputs["q"].shape[:2], layout.KV_LORA_RANK, dtype=torch.bfloat16, device=inputs["q"].device)
+    return lambda: bound.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                              kv_layout=inputs["kv_layout"], out=out, scale_format=layout.SCALE_ARBITRARY)
 
 
 def _measure(name: str, inputs: dict[str, Any], ref: torch.Tensor, ceilings: dict[str, float]) -> dict[str, Any]:

@@ -32,6 +32,13 @@ class BoundKernel:
     needs_scale_format: bool
     graph_safe: bool
 
+    def call(self, q: Any, kv_cache: Any, indices: Any, *, scale_format: str | None = None, **kwargs: Any) -> Any:
+        """Run the kernel; ``scale_format`` reaches it only when it takes one (kernels that read each
+        tile's stored scale as a value do not) and one is given."""
+        if self.takes_scale_format and scale_format is not None:
+            kwargs["scale_format"] = scale_format
+        return self.fn(q, kv_cache, indices, **kwargs)
+
 
 @functools.cache
 def _import_entry(entry: str) -> Callable[..., Any]:

@@ -160,10 +160,8 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str,
     start = time.perf_counter()
     max_error: float | None = None
     try:
-        kwargs: dict[str, Any] = dict(sm_scale=inputs["sm_scale"], kv_layout=kv_layout, topk_length=inputs["topk_length"])
-        if kernel.takes_scale_format:
-            kwargs["scale_format"] = scale_format
-        out = kernel.fn(inputs["q"], inputs["kv_cache"], inputs["indices"], **kwargs)
+        out = kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                          kv_layout=kv_layout, topk_length=inputs["topk_length"], scale_format=scale_format)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding

@@ -407,7 +407,6 @@ def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int]:
 class Launch:
     """One kernel launch of a call: what ``_run`` executes and what the compile gate compiles.
 
-    name: "sparse_mla" or "combine"
     kernel: the ``@triton.jit`` function
     grid: programs along (tokens, head blocks[, splits])
     args: the positional (runtime) arguments
@@ -417,7 +416,6 @@ class Launch:
     describe: the variant as the compile report names it (dtypes and constexpr values)
     """
 
-    name: str
     kernel: object
     grid: tuple[int, ...]
     args: tuple
@@ -463,7 +461,6 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         dest_lse = torch.empty(num_tokens, cfg.num_splits, num_heads, dtype=torch.float32, device=q.device)  # [T, S, H]
         dest_strides, dest_lse_strides = dest.stride()[:3], dest_lse.stride()
     main = Launch(
-        name="sparse_mla",
         kernel=_sparse_mla_kernel,
         grid=(num_tokens, head_blocks, cfg.num_splits),
         args=(
@@ -488,7 +485,6 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         return [main]
     lse_arg = lse if lse is not None else dest_lse
     combine = Launch(
-        name="combine",
         kernel=_combine_kernel,
         grid=(num_tokens, _cdiv(num_heads, COMBINE_BLOCK_H)),
         args=(

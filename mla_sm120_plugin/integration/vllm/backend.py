@@ -237,10 +237,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
-        kwargs: dict[str, Any] = {"sm_scale": self.scale, "kv_layout": self.kv_layout, "out": out}
-        if kernel.takes_scale_format:
-            kwargs["scale_format"] = self.decision.scale_format
-        kernel.fn(q, kv_rows, slots, **kwargs)
+        kernel.call(q, kv_rows, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
+                    scale_format=self.decision.scale_format)
 
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
         """Sparse MQA over the DSA cache for every row of the batch.
