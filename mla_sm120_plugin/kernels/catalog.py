@@ -38,21 +38,22 @@ def _flashinfer_probe(device: DeviceInfo) -> tuple[str, ...]:
 
 
 def _flashinfer_envelope(ctx: SelectionContext, phase: str, profile: ModelProfile | None) -> tuple[str, ...]:
-    if importlib.util.find_spec("flashinfer") is None:
-        # The probe reports the missing package; without it there is no table to read.
-        return ()
+    # FlashInfer's table ships with the plugin (kernels/flashinfer_table.py): a planned check and a
+    # core-only install decide as the engine does, without importing flashinfer or torch. Where the
+    # device is this machine's and flashinfer is installed, its own table is read too (the probe
+    # gates binding on that install anyway) and the reasons of both count. The FlashInfer family
+    # comes from the resolved scale format alone: the one the call will run.
     from . import flashinfer
 
-    return tuple(
-        flashinfer.envelope_reasons(
-            phase=phase,
-            num_heads=ctx.num_heads,
-            topk=ctx.index_topk,
-            max_tokens=ctx.max_tokens_for(phase),
-            kv_layout=ctx.kv_cache_dtype,
-            scale_format=ctx.kv_scale_format,
-            model_family=profile.flashinfer_family if profile is not None else None,
-        )
+    live = not ctx.device.is_planned and importlib.util.find_spec("flashinfer") is not None
+    return flashinfer.envelope_reasons(
+        phase=phase,
+        num_heads=ctx.num_heads,
+        topk=ctx.index_topk,
+        max_tokens=ctx.max_tokens_for(phase),
+        kv_layout=ctx.kv_cache_dtype,
+        scale_format=ctx.kv_scale_format,
+        source=flashinfer.BOTH if live else flashinfer.PACKAGED,
     )
 
 

@@ -1,6 +1,6 @@
 """FlashInfer's native SM120/SM121 sparse MLA, bound to the plugin's kernel contract.
 
-What the native kernel covers (read from the installed ``flashinfer-python`` 0.7.2.post1):
+What the native kernel covers (read from ``flashinfer-python`` 0.7.2.post1):
 
 - GPUs: SM12x only (RTX 5090 / RTX PRO 6000 = sm_120, DGX Spark GB10 = sm_121). FlashInfer wants
   torch built for CUDA >= 12.8 (sm_120a) / >= 12.9 (sm_121a), and the kernels are JIT-compiled by
@@ -13,7 +13,9 @@ What the native kernel covers (read from the installed ``flashinfer-python`` 0.7
 - Shapes: calls of up to 64 query tokens go to the split-K decode kernel: any head count 1..128,
   any ``topk >= 1``, page-strided caches allowed. Longer calls go to the prefill kernels, which
   need ``topk % 64 == 0``, a head count in {8, 16, 32, 64, 128} and back-to-back pages.
-  :func:`envelope_reasons` says which shapes fall outside, at init, without a GPU.
+  :func:`envelope_reasons` says which shapes fall outside, at init, without a GPU, from the table
+  packaged per FlashInfer version in :mod:`.flashinfer_table` (and from the installed flashinfer's
+  own table where asked).
 - Numerics: Q and the softmax probabilities P are quantised to fp8 (e4m3) inside the kernel, with
   fp32 accumulation; upstream tests compare against a reference at ``atol = rtol = 5e-3``. The
   native LSE is base 2 (``lse_scale`` rescales it); this binding returns base e unless asked.
@@ -21,7 +23,8 @@ What the native kernel covers (read from the installed ``flashinfer-python`` 0.7
   binding returns the sink-free LSE of the plugin contract (``out *= 1 / (1 + exp(sink - lse))``).
 
 Everything heavy (torch, flashinfer) is imported inside functions: the selection code imports this
-module for :func:`envelope_reasons` and :func:`probe` and must stay cheap.
+module for :func:`envelope_reasons` and :func:`probe` and must stay cheap. The packaged envelope
+(``source="packaged"``) imports neither.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..device import find_nvcc, nvcc_version
 from ..errors import KernelInputError, KernelUnavailable, format_error
-from . import layout
+from . import flashinfer_table, layout
 
 if TYPE_CHECKING:
     import torch
@@ -61,15 +64,13 @@ NATIVE_FORMATS: dict[str, NativeFormat] = {
     layout.SCALE_POW2: NativeFormat(family="dsv3_2", kv_scale_format="pow2_fp32"),
     layout.SCALE_ARBITRARY: NativeFormat(family="glm_nsa", kv_scale_format="arbitrary_fp32"),
 }
-FAMILY_SCALE_FORMATS: dict[str, str] = {fmt.family: name for name, fmt in NATIVE_FORMATS.items()}
 
-# The prefill side of the envelope is not in supported_sparse_mla_sm120_configs() (that table
-# describes decode only) and is only queryable through the compiled module, so it is mirrored here
-# from data/include/flashinfer/attention/sparse_mla_sm120/execution/attention_plan.h
-# (visit_prefill_heads, inline-scale families: SG 8/16, MG 32/64/128, swapAB 64/128) and
-# data/csrc/sparse_mla_sm120/attention_resolve.cu (topk % 64, dense indices, contiguous pages).
-PREFILL_HEADS = frozenset({8, 16, 32, 64, 128})
-PREFILL_TOPK_TILE = 64
+# Where envelope_reasons() reads FlashInfer's envelope: the table packaged for the installed (else
+# newest) flashinfer-python version, pure Python; the installed flashinfer's
+# supported_sparse_mla_sm120_configs() (imports flashinfer and torch; the prefill facts, which no
+# public API reports, still come from the packaged table); or both, reasons united.
+PACKAGED, LIVE, BOTH = "packaged", "live", "both"
+ENVELOPE_SOURCES = (PACKAGED, LIVE, BOTH)
 
 LSE_BASES = ("e", "2")
 _LN2 = math.log(2.0)
@@ -203,15 +204,6 @@ def _toolchain_reasons(sm: tuple[int, int] | None) -> tuple[str, ...]:
 # ------------------------------------------------------------------------ envelope
 
 
-def _installed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(PIP_PACKAGE)
-    except PackageNotFoundError:
-        return "(not installed)"
-
-
 @functools.cache
 def _sparse_configs() -> dict[str, Any]:
     """flashinfer.mla.supported_sparse_mla_sm120_configs() for fp8 caches (pure Python, no GPU)."""
@@ -220,10 +212,20 @@ def _sparse_configs() -> dict[str, Any]:
     return dict(fi_mla.supported_sparse_mla_sm120_configs())
 
 
-def native_format(scale_format: str, model_family: str | None = None) -> NativeFormat:
-    """FlashInfer's family and kv_scale_format for our ``scale_format`` ("auto": from the family)."""
-    if scale_format == "auto" and model_family in FAMILY_SCALE_FORMATS:
-        scale_format = FAMILY_SCALE_FORMATS[model_family]
+@functools.cache
+def _live_table() -> flashinfer_table.EnvelopeTable:
+    """The installed flashinfer's decode table, with the packaged prefill facts (imports flashinfer)."""
+    packaged = flashinfer_table.table()
+    decode = {
+        family: flashinfer_table.DecodeConfig.from_entry(flashinfer_table.config_entry(config))
+        for family, config in _sparse_configs().items()
+    }
+    version = flashinfer_table.installed_version() or "(version unknown)"
+    return flashinfer_table.EnvelopeTable(version, decode, packaged.prefill_heads, packaged.prefill_topk_tile)
+
+
+def native_format(scale_format: str) -> NativeFormat:
+    """FlashInfer's family and kv_scale_format for our resolved ``scale_format``."""
     try:
         return NATIVE_FORMATS[scale_format]
     except KeyError:
@@ -245,13 +247,14 @@ def envelope_reasons(
     max_tokens: int | None,
     kv_layout: str,
     scale_format: str,
-    model_family: str | None = None,
+    source: str = PACKAGED,
 ) -> tuple[str, ...]:
     """Why a shape is outside the native kernel's envelope; empty when it is inside.
 
-    Reads ``flashinfer.mla.supported_sparse_mla_sm120_configs()`` (no GPU needed) for the decode
-    side and :data:`PREFILL_HEADS` / :data:`PREFILL_TOPK_TILE` for calls longer than the decode
-    limit (64 tokens). Cached.
+    The FlashInfer family is the one that runs ``scale_format`` (:data:`NATIVE_FORMATS`: pow2 ->
+    ``dsv3_2``, arbitrary -> ``glm_nsa``), so the check reads the table of the kernel the call
+    launches. Calls of up to ``max_num_tokens`` (64) tokens are checked against the decode table,
+    longer ones against the prefill head set and top-k tile. Cached.
 
     :param phase: ``"prefill"`` or ``"decode"``; FlashInfer routes by token count, not by phase, so
         this only words the messages.
@@ -259,38 +262,64 @@ def envelope_reasons(
     :param topk: indices per query token (the model's ``index_topk``).
     :param max_tokens: most query tokens one call may see; ``None`` = unbounded.
     :param kv_layout: ``"fp8_ds_mla"`` or ``"bf16"``.
-    :param scale_format: ``"pow2"`` or ``"arbitrary"`` (``"auto"`` resolves through ``model_family``).
-    :param model_family: FlashInfer's family name (``"dsv3_2"``, ``"glm_nsa"``) where the model has one.
+    :param scale_format: ``"pow2"`` or ``"arbitrary"``, already resolved from the model.
+    :param source: ``"packaged"`` (:mod:`.flashinfer_table`, imports nothing), ``"live"`` (the
+        installed flashinfer's ``supported_sparse_mla_sm120_configs()``) or ``"both"`` (the
+        reasons of either, each once).
     :returns: reasons, each naming the value, what is supported and what would fix it.
     """
+    loaders = {
+        PACKAGED: (flashinfer_table.table,),
+        LIVE: (_live_table,),
+        BOTH: (flashinfer_table.table, _live_table),
+    }
+    if source not in loaders:
+        raise ValueError(format_error(f"source={source!r}", f"one of {ENVELOPE_SOURCES}", "pass one of them"))
     reasons: list[str] = []
     if kv_layout != layout.FP8_DS_MLA:
         reasons.append(
             f"kv_layout={kv_layout!r}: flashinfer's SM120 sparse MLA reads only packed fp8 caches "
-            f"(no bf16 sparse SM120 path in {PIP_PACKAGE} {_installed_version()}); use --kv-cache-dtype "
-            f"{layout.FP8_DS_MLA} or another kernel"
+            f"(no bf16 sparse SM120 path in {PIP_PACKAGE} {flashinfer_table.table().flashinfer_version}); "
+            f"use --kv-cache-dtype {layout.FP8_DS_MLA} or another kernel"
         )
+    for load in loaders[source]:
+        try:
+            table = load()
+        except Exception as error:  # not installed / too old / broken: probe() says which
+            table_reasons = [f"cannot read flashinfer's SM120 sparse-MLA table ({type(error).__name__}: {error})"]
+        else:
+            table_reasons = _table_reasons(table, phase, num_heads, topk, max_tokens, scale_format)
+        reasons.extend(r for r in table_reasons if r not in reasons)
+    return tuple(reasons)
+
+
+def _table_reasons(
+    table: flashinfer_table.EnvelopeTable,
+    phase: str,
+    num_heads: int,
+    topk: int,
+    max_tokens: int | None,
+    scale_format: str,
+) -> list[str]:
+    """The shape reasons of :func:`envelope_reasons` against one table (the layout is checked once)."""
+    reasons: list[str] = []
     try:
-        fmt = native_format(scale_format, model_family)
+        family = native_format(scale_format).family
     except KernelInputError as error:
-        return (*reasons, str(error))
-    family = model_family or fmt.family
-    try:
-        configs = _sparse_configs()
-    except Exception as error:  # not installed / too old: probe() says which
-        return (*reasons, f"cannot read flashinfer's SM120 sparse-MLA table ({type(error).__name__}: {error})")
-    config = configs.get(family)
+        return [*reasons, str(error)]
+    config = table.decode.get(family)
     if config is None:
-        return (
+        return [
             *reasons,
-            f"model_family={family!r} is not a flashinfer SM120 sparse-MLA family (has {sorted(configs)})",
-        )
+            f"scale_format={scale_format!r} runs flashinfer family {family!r}, which {PIP_PACKAGE} "
+            f"{table.flashinfer_version} does not have (has {sorted(table.decode)})",
+        ]
     if config.d_qk != layout.HEAD_DIM or config.bytes_per_token != layout.FP8_DS_MLA_TOKEN_BYTES:
-        return (
+        return [
             *reasons,
             f"flashinfer family {family!r} reads d_qk={config.d_qk}, {config.bytes_per_token} B/token, "
             f"not the {layout.HEAD_DIM}-wide {layout.FP8_DS_MLA_TOKEN_BYTES}-byte {layout.FP8_DS_MLA} cache",
-        )
+        ]
 
     heads = config.supported_num_heads()
     if num_heads not in heads:
@@ -305,18 +334,19 @@ def envelope_reasons(
     if max_tokens is None or max_tokens > limit:
         bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
         calls = f"{phase} calls of {bound}"
-        if topk % PREFILL_TOPK_TILE:
+        tile = table.prefill_topk_tile
+        if topk % tile:
             reasons.append(
                 f"topk={topk} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
-                f"which need topk % {PREFILL_TOPK_TILE} == 0 (decode handles any topk up to {limit} tokens a call)"
+                f"which need topk % {tile} == 0 (decode handles any topk up to {limit} tokens a call)"
             )
-        if num_heads not in PREFILL_HEADS:
+        if num_heads not in table.prefill_heads:
             reasons.append(
                 f"num_heads={num_heads} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
-                f"which exist for heads {sorted(PREFILL_HEADS)} "
+                f"which exist for heads {sorted(table.prefill_heads)} "
                 f"(decode takes 1..{heads[-1]} up to {limit} tokens a call)"
             )
-    return tuple(reasons)
+    return reasons
 
 
 def clear_caches() -> None:
@@ -324,6 +354,8 @@ def clear_caches() -> None:
     probe.cache_clear()
     envelope_reasons.cache_clear()
     _sparse_configs.cache_clear()
+    _live_table.cache_clear()
+    flashinfer_table.clear_caches()
 
 
 # ------------------------------------------------------------------------- binding
@@ -553,6 +585,7 @@ def flashinfer_sparse_mla(
         max_tokens=num_tokens,
         kv_layout=kv_layout,
         scale_format=scale_format,
+        source=LIVE,
     )
     if outside:
         raise _bad_input(

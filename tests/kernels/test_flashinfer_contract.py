@@ -1,13 +1,17 @@
-"""The FlashInfer binding against the real installed flashinfer, on a machine without a GPU.
+"""The FlashInfer binding against the real installed flashinfer; no GPU needed.
 
 No part of flashinfer is mocked: the arguments the binding builds are bound to the installed
-wrapper's real signature, the envelope is read from the installed table, and the probe looks at
-this machine. The numerical test vs the reference is GPU-only: tests/gpu/test_flashinfer_sm120.py.
+wrapper's real signature, the packaged envelope table (kernels/flashinfer_envelope.json) is compared
+field by field with what the installed flashinfer reports, the envelope is checked against both, and
+the probe looks at this machine. The numerical test vs the reference is GPU-only:
+tests/gpu/test_flashinfer_sm120.py. Table logic that needs no flashinfer: test_flashinfer_table.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +26,13 @@ import torch  # noqa: E402
 
 from mla_sm120_plugin.errors import KernelInputError, KernelUnavailable  # noqa: E402
 from mla_sm120_plugin.kernels import flashinfer as fi_binding  # noqa: E402
-from mla_sm120_plugin.kernels import layout  # noqa: E402
+from mla_sm120_plugin.kernels import flashinfer_table, layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADS = (4, 64, 128)
 TOPKS = (2048, 1024, 512, 100)
 TOKENS = (1, 64, 65, 512)
+SOURCES = (fi_binding.PACKAGED, fi_binding.LIVE, fi_binding.BOTH)
 
 
 @pytest.fixture(autouse=True)
@@ -105,27 +110,65 @@ def test_native_formats_name_installed_families():
         assert config.bytes_per_token == layout.FP8_DS_MLA_TOKEN_BYTES
 
 
-def test_mirrored_prefill_constants_match_installed_sources():
-    """PREFILL_* mirror FlashInfer internals that no public API reports: pin them to the sources."""
+# ------------------------------------------------------- (b) the packaged table
+
+
+def test_installed_version_has_a_packaged_table():
+    installed = flashinfer_table.installed_version()
+    assert installed in flashinfer_table.packaged_versions(), (
+        f"flashinfer-python {installed} has no table in {flashinfer_table.DATA_FILE.name}: "
+        f"run {flashinfer_table.REGENERATE}"
+    )
+    assert flashinfer_table.table().flashinfer_version == installed
+    assert flashinfer_table.table_note() is None
+
+
+def test_packaged_decode_table_equals_installed_configs():
+    """Every field of every family of supported_sparse_mla_sm120_configs(), and the derived head set."""
+    import flashinfer.mla
+
+    live = flashinfer.mla.supported_sparse_mla_sm120_configs(kv_cache_format="fp8")
+    entry = flashinfer_table.packaged_entries()[flashinfer_table.installed_version()]
+    packaged = flashinfer_table.table().decode
+    assert sorted(entry["decode"]) == sorted(live) == sorted(packaged)
+    for family, config in live.items():
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            stored = entry["decode"][family].get(field.name, "<missing>")
+            expected = sorted(value) if isinstance(value, frozenset) else value
+            assert stored == expected, f"{family}.{field.name}: packaged {stored!r}, flashinfer {expected!r}"
+            assert getattr(packaged[family], field.name) == value, f"{family}.{field.name} as loaded"
+        assert packaged[family].supported_num_heads() == config.supported_num_heads(), family
+
+
+def test_packaged_prefill_facts_match_installed_sources():
+    """The prefill facts mirror FlashInfer internals that no public API reports: pin them to the sources."""
     import flashinfer
     from flashinfer.mla._sparse_mla_sm120 import _policy
 
-    assert fi_binding.PREFILL_TOPK_TILE == _policy._BI
+    table = flashinfer_table.table()
+    assert table.prefill_topk_tile == _policy._BI
     assert _policy._DECODE_MAX_TOKENS == 64
     header = (
         Path(flashinfer.__file__).parent
         / "data/include/flashinfer/attention/sparse_mla_sm120/execution/attention_plan.h"
     ).read_text()
     body = header.split("PrefillLaunchResult visit_prefill_heads", 1)[1].split("#undef HEAD", 1)[0]
-    import re
+    assert {int(h) for h in re.findall(r"HEAD\((\d+)\)", body)} == table.prefill_heads
 
-    assert {int(h) for h in re.findall(r"HEAD\((\d+)\)", body)} == fi_binding.PREFILL_HEADS
+
+def test_dump_reproduces_the_packaged_entry():
+    """What --write would store for the installed version is what is stored."""
+    version, entry = flashinfer_table.dump_entry()
+    assert version == flashinfer_table.installed_version()
+    assert entry == flashinfer_table.packaged_entries()[version]
 
 
 def test_supported_configs_are_pure_python_and_describe_decode():
     """What supported_sparse_mla_sm120_configs() returns in this env (no GPU, no JIT build)."""
     import flashinfer.mla
 
+    cuda_before = torch.cuda.is_initialized()
     configs = flashinfer.mla.supported_sparse_mla_sm120_configs()
     assert {"dsv3_2", "glm_nsa"} <= set(configs)
     for family in ("dsv3_2", "glm_nsa"):
@@ -134,23 +177,26 @@ def test_supported_configs_are_pure_python_and_describe_decode():
         assert limits == (64, 1, 128, None, True)
         assert c.supports_decode(4, 100, num_tokens=64)
         assert not c.supports_decode(4, 100, num_tokens=65)
-    assert not torch.cuda.is_initialized()
+    if not cuda_before:  # an earlier test in this process may have started CUDA on a GPU machine
+        assert not torch.cuda.is_initialized()
 
 
-# ------------------------------------------------------------------- (b) envelope
+# ------------------------------------------------------------------- (c) envelope
 
 
 def _expected_reasons(heads, topk, tokens):
     if tokens <= 64:
         return False
-    return heads not in fi_binding.PREFILL_HEADS or topk % 64 != 0
+    table = flashinfer_table.table()
+    return heads not in table.prefill_heads or topk % table.prefill_topk_tile != 0
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("topk", TOPKS)
 @pytest.mark.parametrize("heads", HEADS)
-def test_envelope_grid(heads, topk, tokens, scale_format):
+def test_envelope_grid(heads, topk, tokens, scale_format, source):
     reasons = fi_binding.envelope_reasons(
         phase="decode",
         num_heads=heads,
@@ -158,6 +204,7 @@ def test_envelope_grid(heads, topk, tokens, scale_format):
         max_tokens=tokens,
         kv_layout=layout.FP8_DS_MLA,
         scale_format=scale_format,
+        source=source,
     )
     assert bool(reasons) == _expected_reasons(heads, topk, tokens), reasons
     if heads == 4 and tokens > 64:
@@ -166,9 +213,16 @@ def test_envelope_grid(heads, topk, tokens, scale_format):
         assert any("topk=100" in r and "% 64" in r for r in reasons)
 
 
-def test_bf16_layout_refused_with_reason():
+@pytest.mark.parametrize("source", SOURCES)
+def test_bf16_layout_refused_with_reason(source):
     reasons = fi_binding.envelope_reasons(
-        phase="decode", num_heads=64, topk=2048, max_tokens=1, kv_layout=layout.BF16, scale_format="arbitrary"
+        phase="decode",
+        num_heads=64,
+        topk=2048,
+        max_tokens=1,
+        kv_layout=layout.BF16,
+        scale_format="arbitrary",
+        source=source,
     )
     assert len(reasons) == 1
     assert "bf16" in reasons[0] and "no bf16 sparse SM120 path" in reasons[0] and layout.FP8_DS_MLA in reasons[0]
@@ -178,9 +232,16 @@ def test_bf16_layout_refused_with_reason():
     ("heads", "topk", "needle"),
     [(0, 2048, "num_heads=0"), (129, 2048, "num_heads=129"), (64, 0, "topk=0")],
 )
-def test_heads_and_topk_limits(heads, topk, needle):
+@pytest.mark.parametrize("source", SOURCES)
+def test_heads_and_topk_limits(heads, topk, needle, source):
     reasons = fi_binding.envelope_reasons(
-        phase="decode", num_heads=heads, topk=topk, max_tokens=1, kv_layout=layout.FP8_DS_MLA, scale_format="pow2"
+        phase="decode",
+        num_heads=heads,
+        topk=topk,
+        max_tokens=1,
+        kv_layout=layout.FP8_DS_MLA,
+        scale_format="pow2",
+        source=source,
     )
     assert any(needle in r for r in reasons), reasons
 
@@ -191,18 +252,70 @@ def test_unbounded_tokens_apply_prefill_rules():
     assert fi_binding.envelope_reasons(num_heads=4, **kwargs)
 
 
-def test_family_and_scale_format_resolution():
+def _marked_table(table, **families):
+    """``table`` with some families' head limit changed, to see which family a check reads."""
+    decode = dict(table.decode)
+    for family, max_heads in families.items():
+        decode[family] = dataclasses.replace(decode[family], max_num_heads=max_heads)
+    return dataclasses.replace(table, decode=decode)
+
+
+@pytest.mark.parametrize(("scale_format", "family"), [("pow2", "dsv3_2"), ("arbitrary", "glm_nsa")])
+def test_family_follows_the_scale_format(monkeypatch, scale_format, family):
+    """The family checked is the one the call runs (native_format), whatever the model is."""
+    assert fi_binding.native_format(scale_format).family == family
+    other = "glm_nsa" if family == "dsv3_2" else "dsv3_2"
+    table = flashinfer_table.table()
+    monkeypatch.setattr(flashinfer_table, "table", lambda: _marked_table(table, **{family: 16, other: 128}))
+    common = dict(phase="decode", topk=2048, max_tokens=1, kv_layout=layout.FP8_DS_MLA, scale_format=scale_format)
+    assert fi_binding.envelope_reasons(num_heads=64, **common) == (
+        f"num_heads=64 per GPU: flashinfer {family} serves 1..16",
+    )
+    monkeypatch.setattr(flashinfer_table, "table", lambda: _marked_table(table, **{family: 128, other: 16}))
+    fi_binding.envelope_reasons.cache_clear()
+    assert fi_binding.envelope_reasons(num_heads=64, **common) == ()
+
+
+def test_unresolved_or_foreign_scale_formats_and_families(monkeypatch):
     common = dict(phase="decode", num_heads=64, topk=2048, max_tokens=1, kv_layout=layout.FP8_DS_MLA)
-    assert fi_binding.envelope_reasons(scale_format="auto", model_family="glm_nsa", **common) == ()
-    assert fi_binding.native_format("auto", "glm_nsa").kv_scale_format == "arbitrary_fp32"
+    auto = fi_binding.envelope_reasons(scale_format="auto", **common)  # select() resolves it first
+    assert auto and "scale_format='auto'" in auto[0]
     assert fi_binding.envelope_reasons(scale_format="ue8m0", **common)
-    wrong = fi_binding.envelope_reasons(scale_format="pow2", model_family="dsv4", **common)
+    table = flashinfer_table.table()
+    wrong_width = {**table.decode, "glm_nsa": table.decode["dsv4"]}
+    monkeypatch.setattr(flashinfer_table, "table", lambda: dataclasses.replace(table, decode=wrong_width))
+    wrong = fi_binding.envelope_reasons(scale_format="arbitrary", **common)
     assert wrong and "d_qk=512" in wrong[0]
-    unknown = fi_binding.envelope_reasons(scale_format="pow2", model_family="nope", **common)
-    assert unknown and "dsv3_2" in unknown[0]
+    missing = {k: v for k, v in table.decode.items() if k != "dsv3_2"}
+    monkeypatch.setattr(flashinfer_table, "table", lambda: dataclasses.replace(table, decode=missing))
+    fi_binding.envelope_reasons.cache_clear()
+    gone = fi_binding.envelope_reasons(scale_format="pow2", **common)
+    assert gone and "'dsv3_2'" in gone[0] and "glm_nsa" in gone[0]
 
 
-# ---------------------------------------------------------------------- (c) probe
+def test_live_source_reads_the_installed_table(monkeypatch):
+    """source="live" reads supported_sparse_mla_sm120_configs(), "both" unites it with the packaged table."""
+    import flashinfer.mla
+
+    real = flashinfer.mla.supported_sparse_mla_sm120_configs()
+    narrowed = {**real, "glm_nsa": dataclasses.replace(real["glm_nsa"], max_num_heads=32)}
+    monkeypatch.setattr(flashinfer.mla, "supported_sparse_mla_sm120_configs", lambda **_: narrowed)
+    common = dict(phase="decode", num_heads=64, topk=2048, max_tokens=1, kv_layout=layout.FP8_DS_MLA)
+    assert fi_binding.envelope_reasons(scale_format="arbitrary", source=fi_binding.PACKAGED, **common) == ()
+    live = fi_binding.envelope_reasons(scale_format="arbitrary", source=fi_binding.LIVE, **common)
+    assert live == ("num_heads=64 per GPU: flashinfer glm_nsa serves 1..32",)
+    assert fi_binding.envelope_reasons(scale_format="arbitrary", source=fi_binding.BOTH, **common) == live
+    assert fi_binding.envelope_reasons(scale_format="pow2", source=fi_binding.BOTH, **common) == ()
+
+
+def test_both_sources_deduplicate():
+    kwargs = dict(phase="prefill", num_heads=4, topk=100, max_tokens=None, kv_layout=layout.BF16, scale_format="pow2")
+    packaged = fi_binding.envelope_reasons(source=fi_binding.PACKAGED, **kwargs)
+    assert len(packaged) == 3  # bf16, topk % 64, prefill heads
+    assert fi_binding.envelope_reasons(source=fi_binding.BOTH, **kwargs) == packaged
+
+
+# ---------------------------------------------------------------------- (d) probe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU; the no-GPU reason cannot appear")
@@ -215,7 +328,7 @@ def test_probe_names_missing_gpu():
     assert fi_binding.probe() == reasons
 
 
-# ------------------------------------------------------------------- (d) the call
+# ------------------------------------------------------------------- (e) the call
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: tests/gpu covers the call")
@@ -226,7 +339,8 @@ def test_call_without_gpu_raises_kernel_unavailable():
             q, kv, indices, sm_scale=0.07, kv_layout=layout.FP8_DS_MLA, scale_format="pow2"
         )
     message = str(info.value)
-    assert message.startswith("given: ") and "; supported: " in message and "; fix: " in message
+    # errors.format_error's three parts, whatever it puts between them
+    assert re.match(r"given: .+supported: .+fix: ", message, re.S), message
     assert "no CUDA GPU" in message
 
 
