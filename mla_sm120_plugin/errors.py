@@ -1,7 +1,13 @@
 """The plugin's error types.
 
-Every message has the same three parts, so a user can act on it without reading code:
-``given: ...; supported: ...; fix: ...``. :func:`format_error` builds that shape.
+Every message has the same three parts, one per line, so a user can act on it without reading
+code::
+
+    given: ...
+    supported: ...
+    fix: ...
+
+:func:`format_error` builds that shape.
 """
 
 from __future__ import annotations
@@ -32,5 +38,5 @@ class KernelUnavailable(MlaSm120Error, RuntimeError):
 
 
 def format_error(given: str, supported: str, fix: str) -> str:
-    """Render the three-part message every plugin error uses."""
-    return f"given: {given}; supported: {supported}; fix: {fix}"
+    """Render the three-part message every plugin error uses, one part per line."""
+    return f"given: {given}\nsupported: {supported}\nfix: {fix}"

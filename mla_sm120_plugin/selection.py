@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .errors import PluginError, UnsupportedConfiguration, format_error
+from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
-from .kernels.layout import FP8_DS_MLA, KV_LAYOUTS, SCALE_FORMATS
+from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
 from .types import (
     AUTO,
     DECODE,
@@ -26,6 +26,7 @@ from .types import (
     DeviceInfo,
     KernelSpec,
     ModelProfile,
+    Refusal,
     Rejection,
     SelectionContext,
 )
@@ -51,13 +52,6 @@ def probe_reasons(spec: KernelSpec, device: DeviceInfo) -> tuple[str, ...]:
         except Exception as exc:  # a probe that crashes means "cannot run", with the crash as reason
             _probe_cache[key] = (f"probe failed: {type(exc).__name__}: {exc}",)
     return _probe_cache[key]
-
-
-def _kv_dtype_fix(kv: str) -> str:
-    if kv.startswith("fp8"):
-        # vLLM canonicalises fp8 -> fp8_ds_mla only for its own backends, by name.
-        return "pass --kv-cache-dtype fp8_ds_mla (the 656-byte DSA layout); plain fp8 is not rewritten for a CUSTOM backend"
-    return f"use --kv-cache-dtype fp8_ds_mla or a bf16 cache (one of {list(KV_LAYOUTS)})"
 
 
 def envelope_reasons(
@@ -158,11 +152,9 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 "serve this model without --attention-backend CUSTOM, or install a plugin with a profile for it",
             )
         )
-    refusals = [str(r) for result in reg.pm.hook.mla_sm120_validate(ctx=ctx) for r in (result or ())]
+    refusals = reg.validate(ctx, profile)
     if refusals:
-        raise UnsupportedConfiguration(
-            format_error(f"{ctx.describe()}: refused by a plugin: {'; '.join(refusals)}", "what that plugin allows", "see its reasons")
-        )
+        raise UnsupportedConfiguration(_refusal_message(ctx, refusals))
     scale_format = resolve_scale_format(ctx, profile)
     ctx = dataclasses.replace(ctx, kv_scale_format=scale_format)
 
@@ -170,6 +162,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     alternates: dict[str, tuple[str, ...]] = {}
     rejections: list[Rejection] = []
     problems: list[str] = []
+    failing_reasons: list[str] = []  # every reason behind a problem: the fix addresses only these
     skipped = False
     for phase in PHASES:
         viable, rejected, phase_skipped = _candidates(reg, ctx, phase, profile)
@@ -181,24 +174,18 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 "; ".join(rejected[forced]) if forced in rejected else None
             )
             if why is not None:
-                problems.append(f"{phase} kernel {forced} ({ctx.forced_by}) cannot run: {why}; {phase} can run: {names or 'nothing'}")
+                failing_reasons.extend(rejected.get(forced, ()))
+                problems.append(f"{phase} kernel {forced} ({ctx.forced_by}) cannot run: {why}; "
+                                f"{phase} can run: {', '.join(names) or 'nothing'}")
                 continue
             pick = forced
         elif not names:
-            detail = "; ".join(f"{k}: {', '.join(v)}" for k, v in rejected.items())
-            problems.append(f"no kernel can run {phase} ({detail})")
+            failing_reasons.extend(r for v in rejected.values() for r in v)
+            detail = "".join(f"\n      {k}: {'; '.join(v)}" for k, v in rejected.items())
+            problems.append(f"no kernel can run {phase}:{detail}")
             continue
         else:
-            override = reg.pm.hook.mla_sm120_select(ctx=ctx, phase=phase, candidates=tuple(names))
-            if override is not None and override not in names:
-                raise PluginError(
-                    format_error(
-                        f"mla_sm120_select returned {override!r} for {phase}",
-                        f"one of the candidates {names}",
-                        "fix the plugin that implements mla_sm120_select",
-                    )
-                )
-            pick = override or names[0]
+            pick = reg.select_override(ctx, phase, names) or names[0]
         chosen[phase] = pick
         alternates[phase] = tuple(name for name in names if name != pick)
         for name, reasons in rejected.items():
@@ -210,15 +197,15 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     if problems:
         raise UnsupportedConfiguration(
             format_error(
-                f"{ctx.describe()}: " + "; ".join(problems),
+                ctx.describe() + "".join(f"\n  - {p}" for p in problems),
                 _supported_summary(reg, profile),
-                _fix_for(ctx),
+                _fix_for(ctx, failing_reasons),
             )
         )
     notes: tuple[str, ...] = ()
     if skipped:
         notes = (
-            f"device {ctx.device.describe()} is planned ({ctx.device.source}), not present: kernel probes "
+            f"device {ctx.device.label} is planned ({ctx.device.source}), not present here: kernel probes "
             "(installed packages, GPU, JIT compiler) were not run; run `mla-sm120 doctor` on that machine",
         )
     return Decision(
@@ -232,6 +219,17 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     )
 
 
+def _refusal_message(ctx: SelectionContext, refusals: list[tuple[str, Refusal]]) -> str:
+    """One message for every validate refusal; a third party's reason carries its plugin's name."""
+    def origin(label: str) -> str:
+        return "" if label.startswith("builtin") else f" (refused by plugin {label})"
+
+    given = ctx.describe() + "".join(f"\n  - {r.reason}{origin(label)}" for label, r in refusals)
+    supported = "; ".join(dict.fromkeys(r.supported for _, r in refusals if r.supported)) or "what those plugins allow"
+    fix = "; ".join(dict.fromkeys(r.fix for _, r in refusals if r.fix)) or "see the reasons above"
+    return format_error(given, supported, fix)
+
+
 def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
     parts = []
     for spec in sorted(reg.kernels.values(), key=lambda s: -s.priority):
@@ -242,15 +240,19 @@ def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
     return f"for {profile.name}: " + ", ".join(parts)
 
 
-def _fix_for(ctx: SelectionContext) -> str:
+def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
+    """The fixes that apply to this refusal only, most direct first."""
     fixes = []
     if ctx.prefill_kernel != AUTO or ctx.decode_kernel != AUTO:
-        fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one the message lists as able to run")
-    if ctx.kv_cache_dtype not in KV_LAYOUTS:
-        fixes.append(_kv_dtype_fix(ctx.kv_cache_dtype))
-    elif ctx.kv_cache_dtype != FP8_DS_MLA:
-        fixes.append("use --kv-cache-dtype fp8_ds_mla for the native SM12x kernel")
-    fixes.append("install what a probe reports missing (pip install 'mla-sm120-plugin[flashinfer,triton]')")
+        fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one listed as able to run")
+    if ctx.kv_cache_dtype != FP8_DS_MLA and any(r.startswith("reads kv_cache_dtype") for r in reasons):
+        fixes.append(f"use --kv-cache-dtype {FP8_DS_MLA} for the kernels that read only the fp8 cache")
+    if any("pip install" in r for r in reasons):
+        fixes.append("install what a probe above reports missing")
+    if any(r.startswith("not CUDA-graph safe") for r in reasons):
+        fixes.append("run with --enforce-eager, or install a graph-safe kernel")
+    if not fixes:
+        fixes.append("change the combination to one a kernel above supports (each rejection says what it needs)")
     return "; ".join(fixes)
 
 
@@ -307,6 +309,7 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
         "device": {"sm": ctx.device.sm, "vendor": ctx.device.vendor, "name": ctx.device.name, "source": ctx.device.source},
         "kv_cache_dtype": ctx.kv_cache_dtype,
         "scale_format": decision.scale_format,
+        "tensor_parallel_size": ctx.tensor_parallel_size,
         "heads_per_rank": ctx.num_heads,
         "index_topk": ctx.index_topk,
         "kernels": dict(decision.kernels),
@@ -317,6 +320,10 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
     }
 
 
+def _bound(tokens: int | None) -> str:
+    return "of any length" if tokens is None else f"<= {tokens} tokens"
+
+
 def explain(decision: Decision) -> str:
     """The decision as a plain-text table: chosen kernel per phase, then each rejection."""
     ctx = decision.context
@@ -324,7 +331,10 @@ def explain(decision: Decision) -> str:
         f"model      {ctx.model_name or decision.profile.name} ({ctx.model_arch}, profile {decision.profile.name})",
         f"device     {ctx.device.describe()} [{ctx.device.source}]",
         f"kv cache   {ctx.kv_cache_dtype} (scales: {decision.scale_format})",
-        f"shape      {ctx.num_heads} heads per rank, index_topk {ctx.index_topk}",
+        f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
+        f"index_topk {ctx.index_topk}",
+        f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "
+        f"CUDA graphs {'on' if ctx.cuda_graphs else 'off'}",
         "",
         f"{'phase':<8} {'kernel':<24} status",
     ]

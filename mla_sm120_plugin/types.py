@@ -116,10 +116,15 @@ class DeviceInfo:
         """True when this device was named by the user rather than found on this machine."""
         return self.source not in ("detected", "vllm")
 
+    @property
+    def label(self) -> str:
+        """``"sm_120"``-style name, or ``"cpu"`` / ``"rocm"``."""
+        return f"sm_{self.sm_major}{self.sm_minor}" if self.vendor == "nvidia" else self.sm
+
     def describe(self) -> str:
-        label = f"sm_{self.sm_major}{self.sm_minor}" if self.vendor == "nvidia" else self.sm
-        name = f" {self.name}" if self.name else ""
-        return f"{label}{name}"
+        """The label with the device's name, unless the name only repeats that it is planned."""
+        name = f" {self.name}" if self.name and not (self.is_planned and self.name == "planned") else ""
+        return f"{self.label}{name}"
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,9 @@ class SelectionContext:
     :param max_prefill_tokens: most query tokens one prefill call may see.
     :param cuda_graphs: the engine captures decode in CUDA graphs.
     :param forced_by: where a forced kernel came from, for messages (``"--decode-kernel"``).
+    :param tensor_parallel_size: the engine's TP size (``num_heads`` is already divided by it).
+    :param features: engine features switched on that change how the cache is written or top-k
+        is read (``"hisparse"``, ``"dcp"``, ...); the built-in policy refuses those no kernel reads.
     """
 
     model_arch: str
@@ -298,6 +306,8 @@ class SelectionContext:
     max_prefill_tokens: int | None = None
     cuda_graphs: bool = False
     forced_by: str = "config"
+    tensor_parallel_size: int = 1
+    features: frozenset[str] = frozenset()
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
@@ -309,9 +319,23 @@ class SelectionContext:
         """The combination, as every selection error names it."""
         return (
             f"model_arch={self.model_arch}, sm={self.device.sm}, kv_cache_dtype={self.kv_cache_dtype}, "
-            f"heads_per_rank={self.num_heads}, index_topk={self.index_topk}, "
+            f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size}), index_topk={self.index_topk}, "
             f"prefill_impl={self.prefill_kernel}, decode_impl={self.decode_kernel}"
         )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A reason an ``mla_sm120_validate`` hook refuses a context (a plain string also works).
+
+    :param reason: what about the context cannot be served.
+    :param supported: what would be accepted instead.
+    :param fix: what the user should change.
+    """
+
+    reason: str
+    supported: str = ""
+    fix: str = ""
 
 
 @dataclass(frozen=True)

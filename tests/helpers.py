@@ -20,6 +20,31 @@ def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | No
     )
 
 
+# The demo third-party distribution (tests/fixtures/demo_plugin): one good plugin, and broken ones
+# that tests enable one at a time through MLA_SM120_DISABLE_PLUGINS.
+DEMO_FAULTY_HOOKS = {
+    "demo_select_raises": ["mla_sm120_select raised RuntimeError: demo select exploded"],
+    "demo_select_exits": ["mla_sm120_select raised SystemExit: 3"],
+    "demo_validate_int": ["mla_sm120_validate returned int 42"],
+    "demo_validate_str": ["mla_sm120_validate returned str 'no'"],
+}
+DEMO_BROKEN = ("demo_broken_import", "demo_wrong_type", "demo_duplicate", "demo_exits_on_import",
+               "demo_slow_import", *DEMO_FAULTY_HOOKS)
+
+
+def demo_plugins_except(keep: str | None = None) -> dict[str, str]:
+    """Environment that blocks every broken demo plugin but ``keep``."""
+    return {"MLA_SM120_DISABLE_PLUGINS": ",".join(n for n in DEMO_BROKEN if n != keep)}
+
+
+def assert_three_parts(message: str, given_prefix: str = "") -> None:
+    """``message`` has the plugin's error shape: given / supported / fix, one per line."""
+    lines = message.splitlines()
+    assert lines[0].startswith(f"given: {given_prefix}"), message
+    assert any(line.startswith("supported: ") for line in lines[1:]), message
+    assert lines[-1].startswith("fix: ") or any(line.startswith("fix: ") for line in lines), message
+
+
 # --- Kernel tests: one device, tolerances that scale with the values compared -------------------
 # Kernel tests run where the kernels really run: on a CUDA GPU when there is one, else on the CPU
 # with Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton loads).

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pluggy
 
 from ..errors import PluginError, format_error
-from ..types import KernelSpec, ModelProfile
+from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
 from . import specs
 from .specs import ENTRY_POINT_GROUP, PROJECT_NAME
 
@@ -26,6 +27,7 @@ DISABLE_ENV = "MLA_SM120_DISABLE_PLUGINS"
 BUILTIN_PLUGINS: Mapping[str, str] = {
     "mla_sm120.models": "mla_sm120_plugin.hooks.builtin",
     "mla_sm120.kernels": "mla_sm120_plugin.kernels.catalog",
+    "mla_sm120.policy": "mla_sm120_plugin.hooks.policy",
 }
 
 
@@ -39,6 +41,7 @@ class Registry:
     :param providers: ``("kernel"|"profile", name)`` -> provider label.
     :param plugins: plugin name -> provider label (``"builtin"`` or ``"dist 1.2 (entry point x)"``).
     :param blocked: plugin names blocked through ``MLA_SM120_DISABLE_PLUGINS``.
+    :param load_seconds: entry-point plugin name -> seconds its import took (``doctor`` shows it).
     """
 
     pm: pluggy.PluginManager = field(repr=False)
@@ -48,6 +51,73 @@ class Registry:
     providers: Mapping[tuple[str, str], str]
     plugins: Mapping[str, str]
     blocked: tuple[str, ...]
+    load_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def label(self, plugin_name: str) -> str:
+        """Who provided a plugin: ``"builtin (module)"`` or ``"dist 1.2 (entry point ...)"``."""
+        return self.plugins.get(plugin_name, plugin_name)
+
+    def _call(self, impl: Any, hook_name: str, kwargs: Mapping[str, Any], expected: str) -> Any:
+        """Call one implementation; any failure (``SystemExit`` too) becomes a PluginError naming it."""
+        try:
+            result = impl.function(**{name: kwargs[name] for name in impl.argnames})
+            # Generators fail while they are consumed: consume them here, inside the blame.
+            if result is not None and not isinstance(result, (str, bytes)) and hasattr(result, "__next__"):
+                result = list(result)
+            return result
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a plugin must not end the engine (SystemExit) or reach it raw
+            raise _hook_error(self.label(impl.plugin_name), impl.plugin_name, hook_name,
+                              f"raised {type(exc).__name__}: {exc}", expected) from exc
+
+    def _impls(self, hook_name: str) -> list[Any]:
+        # pluggy calls implementations in reverse registration order (tryfirst/trylast included).
+        return [impl for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls())
+                if not (impl.hookwrapper or impl.wrapper)]
+
+    def validate(self, ctx: SelectionContext, profile: ModelProfile | None) -> list[tuple[str, Refusal]]:
+        """Every ``mla_sm120_validate`` refusal of ``ctx``, with the label of the plugin behind it.
+
+        :raises PluginError: an implementation raised, exited, or returned something other than
+            an iterable of ``str`` / :class:`~mla_sm120_plugin.types.Refusal`; the message names it.
+        """
+        expected = "an iterable of reasons (str or mla_sm120_plugin.types.Refusal), or None"
+        out: list[tuple[str, Refusal]] = []
+        for impl in self._impls("mla_sm120_validate"):
+            result = self._call(impl, "mla_sm120_validate", {"ctx": ctx, "profile": profile}, expected)
+            if result is None:
+                continue
+            label = self.label(impl.plugin_name)
+            if isinstance(result, (str, bytes)) or not hasattr(result, "__iter__"):
+                raise _hook_error(label, impl.plugin_name, "mla_sm120_validate",
+                                  f"returned {type(result).__name__} {result!r:.80}", expected)
+            for item in result:
+                if isinstance(item, str):
+                    item = Refusal(item)
+                if not isinstance(item, Refusal):
+                    raise _hook_error(label, impl.plugin_name, "mla_sm120_validate",
+                                      f"yielded {type(item).__name__} {item!r:.80}", expected)
+                out.append((label, item))
+        return out
+
+    def select_override(self, ctx: SelectionContext, phase: str, candidates: Sequence[str]) -> str | None:
+        """The first non-None ``mla_sm120_select`` answer for ``phase`` (pluggy's firstresult order).
+
+        :raises PluginError: an implementation raised, exited, or answered with something other
+            than None or one of ``candidates``; the message names it.
+        """
+        expected = f"None or one of the candidates {list(candidates)}"
+        kwargs = {"ctx": ctx, "phase": phase, "candidates": tuple(candidates)}
+        for impl in self._impls("mla_sm120_select"):
+            result = self._call(impl, "mla_sm120_select", kwargs, expected)
+            if result is None:
+                continue
+            if not isinstance(result, str) or result not in candidates:
+                raise _hook_error(self.label(impl.plugin_name), impl.plugin_name, "mla_sm120_select",
+                                  f"returned {result!r:.80} for {phase}", expected)
+            return result
+        return None
 
     def profile_for(self, name_or_arch: str) -> ModelProfile | None:
         """A profile by CLI name, alias or HF architecture (case-insensitive names)."""
@@ -58,6 +128,16 @@ class Registry:
             if key == profile.name or key in (a.lower() for a in profile.aliases):
                 return profile
         return None
+
+
+def _hook_error(label: str, plugin_name: str, hook_name: str, what: str, expected: str) -> PluginError:
+    return PluginError(
+        format_error(
+            f"plugin {label}, hook {hook_name} {what}",
+            expected,
+            f"fix or uninstall that plugin, or set {DISABLE_ENV}={plugin_name}",
+        )
+    )
 
 
 def _blocked_names() -> tuple[str, ...]:
@@ -71,16 +151,19 @@ def _provider_label(ep: importlib.metadata.EntryPoint) -> str:
     return f"{dist_name} (entry point {ep.name!r} = {ep.value!r})"
 
 
-def _load_entry_points(pm: pluggy.PluginManager, labels: dict[str, str]) -> None:
+def _load_entry_points(pm: pluggy.PluginManager, labels: dict[str, str], seconds: dict[str, float]) -> None:
     # Entry points are loaded one by one, not with pm.load_setuptools_entrypoints, so that an
     # import failure can be pinned on the distribution that shipped it.
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
             continue
         label = _provider_label(ep)
+        start = time.perf_counter()
         try:
             plugin = ep.load()
-        except Exception as exc:  # any failure in third-party import code is the plugin's
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # any failure in third-party import code is the plugin's, exit too
             raise PluginError(
                 format_error(
                     f"plugin {label} failed to import: {type(exc).__name__}: {exc}",
@@ -88,6 +171,8 @@ def _load_entry_points(pm: pluggy.PluginManager, labels: dict[str, str]) -> None
                     f"fix or uninstall that distribution, or set {DISABLE_ENV}={ep.name}",
                 )
             ) from exc
+        finally:
+            seconds[ep.name] = time.perf_counter() - start
         try:
             pm.register(plugin, name=ep.name)
         except Exception as exc:  # pluggy rejects malformed hookimpls here
@@ -109,15 +194,17 @@ def _collect(
 ) -> list[tuple[Any, str]]:
     """Call every implementation of a list-returning hook, tagging items with their provider."""
     out: list[tuple[Any, str]] = []
-    # pluggy lists implementations last-registered first; reverse so built-ins come first.
+    # pluggy's call order: last registered first (ties in priority keep this order).
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
         label = labels.get(impl.plugin_name, impl.plugin_name)
         try:
             result = impl.function()
             items = list(result) if result is not None else []
         except PluginError as exc:
-            raise PluginError(f"plugin {label}, hook {hook_name}: {exc}") from exc
-        except Exception as exc:
+            raise PluginError(f"plugin {label}, hook {hook_name}:\n{exc}") from exc
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a plugin must not end the caller
             raise PluginError(
                 format_error(
                     f"plugin {label}, hook {hook_name} raised {type(exc).__name__}: {exc}",
@@ -167,13 +254,14 @@ def build_registry(
     for name in blocked:
         pm.set_blocked(name)
     labels: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for name, module in BUILTIN_PLUGINS.items():
         if pm.is_blocked(name):
             continue
         pm.register(importlib.import_module(module), name=name)
         labels[name] = f"builtin ({module})"
     if load_entry_points:
-        _load_entry_points(pm, labels)
+        _load_entry_points(pm, labels, seconds)
     for name, plugin in (extra_plugins or {}).items():
         if pm.is_blocked(name):
             continue
@@ -212,6 +300,7 @@ def build_registry(
         providers=providers,
         plugins=dict(labels),
         blocked=blocked,
+        load_seconds=seconds,
     )
 
 

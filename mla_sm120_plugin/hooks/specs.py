@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import pluggy
 
 if TYPE_CHECKING:
-    from ..types import KernelSpec, ModelProfile, SelectionContext
+    from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
 
 PROJECT_NAME = "mla_sm120"
 ENTRY_POINT_GROUP = "mla_sm120_plugin"
@@ -62,14 +62,20 @@ def mla_sm120_kernels() -> Iterable[KernelSpec]:
 
 
 @hookspec
-def mla_sm120_validate(ctx: SelectionContext) -> Iterable[str]:
-    """Give extra reasons to refuse a context before any kernel is considered.
+def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> Iterable[str | Refusal]:
+    """Give reasons to refuse a context before any kernel is considered.
 
     Every implementation is called; all reasons are collected into one
-    :class:`~mla_sm120_plugin.errors.UnsupportedConfiguration`.
+    :class:`~mla_sm120_plugin.errors.UnsupportedConfiguration`. The built-in policy (SM family,
+    KV layout, engine features, model geometry: :mod:`mla_sm120_plugin.hooks.policy`) is one.
+    An implementation that raises, exits or returns another type is reported as a
+    :class:`~mla_sm120_plugin.errors.PluginError` naming its distribution and this hook.
 
     :param ctx: the model/device/dtype combination being decided.
-    :returns: reasons to refuse (empty to accept).
+    :param profile: the model profile matched to ``ctx.model_arch`` (take it only if needed:
+        pluggy passes only the arguments an implementation names).
+    :returns: reasons to refuse (empty or None to accept): strings, or
+        :class:`~mla_sm120_plugin.types.Refusal` with what is supported and the fix.
     """
 
 
@@ -77,8 +83,10 @@ def mla_sm120_validate(ctx: SelectionContext) -> Iterable[str]:
 def mla_sm120_select(ctx: SelectionContext, phase: str, candidates: Sequence[str]) -> str | None:
     """Override the priority order for one phase.
 
-    Stops at the first non-None result. Only called under ``auto`` (a kernel forced by the
-    user's config is never overridden). The result must be one of ``candidates``.
+    Stops at the first non-None result (``firstresult``). Only called under ``auto`` (a kernel
+    forced by the user's config is never overridden). The result must be one of ``candidates``;
+    anything else, an exception or an exit is a :class:`~mla_sm120_plugin.errors.PluginError`
+    naming the distribution and this hook.
 
     :param ctx: the combination being decided.
     :param phase: ``"prefill"`` or ``"decode"``.

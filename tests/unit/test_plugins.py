@@ -12,13 +12,10 @@ from mla_sm120_plugin.hooks.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_r
 from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.types import KernelSpec, ModelProfile
 
+from helpers import DEMO_BROKEN as BROKEN
+from helpers import DEMO_FAULTY_HOOKS as FAULTY_HOOKS
+from helpers import demo_plugins_except as _block_except
 from helpers import run_cli
-
-BROKEN = ("demo_broken_import", "demo_wrong_type", "demo_duplicate")
-
-
-def _block_except(keep: str | None = None) -> dict[str, str]:
-    return {DISABLE_ENV: ",".join(n for n in BROKEN if n != keep)}
 
 
 def test_builtins_register_through_the_hooks():
@@ -140,6 +137,32 @@ def test_broken_third_party_plugin_yields_named_error(demo_plugin_path, broken, 
     for needle in needles:
         assert needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("broken", list(FAULTY_HOOKS) + ["demo_exits_on_import"])
+def test_faulty_hook_is_one_error_naming_distribution_and_hook(demo_plugin_path, broken):
+    needles = FAULTY_HOOKS.get(broken, ["failed to import: SystemExit: 3"])
+    res = run_cli("check", "--model", "glm-5", "--sm", "12.0", env=_block_except(broken), pythonpath=demo_plugin_path)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "PluginError" in res.stderr and "Traceback" not in res.stderr
+    for needle in [*needles, "mla-sm120-demo 0.1.0", f"{DISABLE_ENV}={broken}"]:
+        assert needle in res.stderr, res.stderr
+    # doctor finds the same fault by calling the hooks once, and exits 2.
+    res = run_cli("doctor", "--json", env=_block_except(broken), pythonpath=demo_plugin_path)
+    assert res.returncode == 2, res.stderr
+    faults = json.loads(res.stdout)["faults"]
+    assert len(faults) == 1 and needles[0] in faults[0], faults
+
+
+def test_doctor_reports_import_time_and_flags_a_slow_plugin(demo_plugin_path):
+    res = run_cli("doctor", "--json", env=_block_except("demo_slow_import"), pythonpath=demo_plugin_path)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["slow_plugins"] == ["demo_slow_import"]
+    assert data["plugin_import_seconds"]["demo_slow_import"] >= 1.0
+    assert data["plugin_import_seconds"]["demo"] < 1.0 and data["faults"] == []
+    res = run_cli("doctor", env=_block_except("demo_slow_import"), pythonpath=demo_plugin_path)
+    assert "SLOW" in next(line for line in res.stdout.splitlines() if "demo_slow_import" in line)
 
 
 def test_every_hookspec_is_typed_and_documented():

@@ -58,3 +58,27 @@ def test_backend_class_path_resolves():
 
     cls = resolve_obj_by_qualname(BACKEND_PATH)
     assert cls.get_name() == "MLA_SM120_SPARSE" and cls.is_sparse() and cls.is_mla()
+
+
+def test_a_faulty_third_party_hook_does_not_break_vllms_plugin_loading(demo_plugin_path):
+    # The demo distribution's mla_sm120_select raises: vLLM still starts its plugins (register()
+    # loads no mla_sm120 plugin); the fault surfaces, named, only when the backend decides.
+    from helpers import demo_plugins_except
+
+    post = REPEAT + ("\nfrom mla_sm120_plugin.device import parse_device\n"
+                     "from mla_sm120_plugin.selection import select\n"
+                     "from mla_sm120_plugin.types import SelectionContext\n"
+                     "try:\n"
+                     "    select(SelectionContext('GlmMoeDsaForCausalLM', 'fp8_ds_mla', 8, 2048,"
+                     " parse_device('12.0', source='--sm')))\n"
+                     "except Exception as exc:\n"
+                     "    print(type(exc).__name__, str(exc).splitlines()[0])\n")
+    env = {**demo_plugins_except("demo_select_raises"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(demo_plugin_path), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-c", PROBE.format(pre="", post=post)], capture_output=True, text=True,
+                         env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **env), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    *before, last = res.stdout.strip().splitlines()
+    assert json.loads(last) == {"overridden": True, "path": BACKEND_PATH}
+    assert any(line.startswith("PluginError given: plugin mla-sm120-demo 0.1.0") and "mla_sm120_select" in line
+               for line in before), res.stdout
