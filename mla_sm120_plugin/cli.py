@@ -18,40 +18,47 @@ from .errors import MlaSm120Error
 EXIT_OK = 0
 EXIT_UNSERVABLE = 2
 
-KV_DTYPE_ALIASES = {"auto": "bf16", "bfloat16": "bf16"}
+DESCRIPTION = "mla-sm120: check a deployment, inspect this machine, benchmark the kernels."
+PLAN_FIX = "plan for the GPU you will run on: --sm 12.0 (RTX 50xx / RTX PRO 6000) or --sm 12.1 (DGX Spark)"
+
+
+def _check_device(sm: str | None) -> Any:
+    """The device to decide for: ``--sm``, else ``MLA_SM120_DEVICE``, else this machine's GPU."""
+    from . import device as device_mod
+    from .errors import UnsupportedConfiguration, format_error
+
+    dev = device_mod.detect(override=sm)
+    if not dev.is_gpu and not dev.is_planned:
+        # A CPU-only machine is not a deployment: no engine serves DSA models here.
+        raise UnsupportedConfiguration(
+            format_error(
+                f"no --sm, no {device_mod.DEVICE_ENV}, and no GPU found on this machine (nvidia-smi)",
+                "a deployment on an NVIDIA SM120/SM121 GPU: this machine's, or one named with --sm",
+                PLAN_FIX,
+            )
+        )
+    return dev
 
 
 def _check(args: argparse.Namespace) -> int:
-    from . import config as config_mod
-    from . import device as device_mod
+    from .context import EngineLimits, build_context, plugin_config
     from .hooks.manager import get_registry
     from .modelinfo import resolve_model
     from .selection import decision_to_dict, explain, select
-    from .types import SelectionContext
 
     reg = get_registry()
     facts = resolve_model(args.model, registry=reg)
     flags = {k: v for k, v in (("prefill_kernel", args.prefill_kernel), ("decode_kernel", args.decode_kernel)) if v}
-    cfg = config_mod.load_config(
-        flags or None, kernel_names=reg.kernels, config_file=args.config, inline_label="command-line flags"
-    )
-    settings = cfg.for_model(facts.name, facts.arch)
-    kv = KV_DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype)
-    ctx = SelectionContext(
-        model_arch=facts.arch,
-        model_name=facts.name,
-        kv_cache_dtype=kv,
-        num_heads=facts.heads_per_rank(args.tp),
-        index_topk=facts.index_topk,
-        device=device_mod.detect(override=args.sm),
-        prefill_kernel=settings.prefill_kernel,
-        decode_kernel=settings.decode_kernel,
-        kv_scale_format=settings.kv_scale_format,
+    cfg = plugin_config(flags or None, kernel_names=reg.kernels, config_file=args.config,
+                        inline_label="command-line flags")
+    limits = EngineLimits(
+        tensor_parallel_size=args.tp,
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
-        forced_by=settings.forced_by(),
     )
+    ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), args.kv_cache_dtype,
+                        limits)
     decision = select(ctx, registry=reg)
     print(json.dumps(decision_to_dict(decision), indent=2) if args.json else explain(decision))
     return EXIT_OK
@@ -64,14 +71,55 @@ def _version(dist: str) -> str | None:
         return None
 
 
+# An entry-point plugin that imports slower than this is flagged: every `check` and every engine
+# process start pays its import.
+SLOW_IMPORT_S = 0.5
+
+
+def _hook_faults(reg: Any) -> list[str]:
+    """Run every plugin's validate/select hooks once per model profile (planned SM120, fp8)."""
+    from .device import parse_device
+    from .errors import PluginError, UnsupportedConfiguration
+    from .selection import select
+    from .types import SelectionContext
+
+    faults = []
+    for profile in reg.profiles.values():
+        ctx = SelectionContext(model_arch=profile.architectures[0], kv_cache_dtype="fp8_ds_mla",
+                               num_heads=profile.num_heads, index_topk=profile.index_topk,
+                               device=parse_device("12.0", source="doctor"), cuda_graphs=True)
+        try:
+            select(ctx, registry=reg)
+        except PluginError as exc:
+            faults.append(str(exc))
+        except UnsupportedConfiguration:
+            pass  # a refusal is an answer, not a fault
+    return list(dict.fromkeys(faults))
+
+
 def doctor_report() -> dict[str, Any]:
-    """What is installed, what GPU this is, what plugins registered, and each kernel's probe."""
+    """What is installed, what GPU this is, what plugins registered (and how fast), each kernel's
+    probe, and every plugin fault found by loading the plugins and calling their hooks once."""
     from . import device as device_mod
+    from .errors import PluginError
     from .hooks.manager import get_registry
     from .selection import probe_reasons
 
     dev = device_mod.detect(use_torch=True)
-    reg = get_registry()
+    report: dict[str, Any] = {
+        "python": platform.python_version(),
+        "packages": {d: _version(d) for d in ("mla-sm120-plugin", "torch", "triton", "flashinfer-python", "vllm", "pluggy")},
+        "device": {
+            "vendor": dev.vendor, "sm": dev.sm, "name": dev.name, "cuda_version": dev.cuda_version, "source": dev.source,
+        },
+        "plugins": {}, "plugin_import_seconds": {}, "slow_plugins": [], "blocked_plugins": [],
+        "model_profiles": [], "kernels": [], "faults": [],
+    }
+    try:
+        reg = get_registry()
+    except PluginError as exc:  # a plugin that fails to load: nothing else can be listed
+        report["faults"].append(str(exc))
+        return report
     kernels = []
     for name, spec in reg.kernels.items():
         reasons = probe_reasons(spec, dev)
@@ -86,20 +134,20 @@ def doctor_report() -> dict[str, Any]:
                 "reasons": list(reasons),
             }
         )
-    return {
-        "python": platform.python_version(),
-        "packages": {d: _version(d) for d in ("mla-sm120-plugin", "torch", "triton", "flashinfer-python", "vllm", "pluggy")},
-        "device": {
-            "vendor": dev.vendor, "sm": dev.sm, "name": dev.name, "cuda_version": dev.cuda_version, "source": dev.source,
-        },
-        "plugins": dict(reg.plugins),
-        "blocked_plugins": list(reg.blocked),
-        "model_profiles": [
+    seconds = {name: round(t, 3) for name, t in reg.load_seconds.items()}
+    report.update(
+        plugins=dict(reg.plugins),
+        plugin_import_seconds=seconds,
+        slow_plugins=[name for name, t in seconds.items() if t > SLOW_IMPORT_S],
+        blocked_plugins=list(reg.blocked),
+        model_profiles=[
             {"name": p.name, "architectures": list(p.architectures), "provider": reg.providers[("profile", p.name)]}
             for p in reg.profiles.values()
         ],
-        "kernels": kernels,
-    }
+        kernels=kernels,
+        faults=_hook_faults(reg),
+    )
+    return report
 
 
 # The self-check's shapes for `doctor --self-check`: GLM-5 at TP4 on a GPU; on the CPU (Triton's
@@ -159,7 +207,7 @@ def self_check_rows() -> list[dict[str, Any]]:
 def _doctor(args: argparse.Namespace) -> int:
     checks = self_check_rows() if args.self_check else None
     report = doctor_report()
-    failed = bool(checks) and not all(row["passed"] for row in checks)
+    failed = bool(report["faults"]) or (bool(checks) and not all(row["passed"] for row in checks))
     if checks is not None:
         report["self_check"] = checks
     if args.json:
@@ -172,7 +220,11 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"device      {d['vendor']} sm={d['sm']} {d['name']} cuda={d['cuda_version'] or '?'} [{d['source']}]")
     print("plugins:")
     for name, label in report["plugins"].items():
-        print(f"  {name:<22} {label}")
+        took = report["plugin_import_seconds"].get(name)
+        timing = "" if took is None else f"  imported in {took:.2f} s"
+        if name in report["slow_plugins"]:
+            timing += f" (SLOW: over {SLOW_IMPORT_S} s, paid by every check and engine process)"
+        print(f"  {name:<22} {label}{timing}")
     for name in report["blocked_plugins"]:
         print(f"  {name:<22} BLOCKED by MLA_SM120_DISABLE_PLUGINS")
     print("model profiles:")
@@ -182,6 +234,8 @@ def _doctor(args: argparse.Namespace) -> int:
     for k in report["kernels"]:
         status = "can run here" if k["can_run_here"] else "cannot run here: " + "; ".join(k["reasons"])
         print(f"  {k['name']:<24} prio {k['priority']:<4} {status}  [{k['provider']}]")
+    for fault in report["faults"]:
+        print("FAULT: " + fault.replace("\n", "\n       "))
     if checks is not None:
         print(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
               f"on {checks[0]['device'] if checks else '-'}; max error as a fraction of the output's magnitude):")
@@ -198,6 +252,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import os
+    import re
 
     from .errors import KernelInputError, format_error
 
@@ -206,6 +261,10 @@ def _bench(args: argparse.Namespace) -> int:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise KernelInputError(format_error(f"{flag} {path}", "a file in an existing directory",
                                                 f"create {os.path.dirname(os.path.abspath(path))} first"))
+    if not args.compile_only and args.device is not None and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        raise KernelInputError(format_error(f"--device {args.device!r}", "cuda or cuda:N (the benchmark times GPU "
+                                            "kernels)", "pass --device cuda, or use --compile-only --arch 120 on a "
+                                            "machine without a GPU"))
     if args.compile_only:
         from .kernels import compile_gate
 
@@ -238,20 +297,40 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_UNSERVABLE
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive; pass 1 or more")
+    return value
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return _version("mla-sm120-plugin") or __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-sm120", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mla-sm120", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"mla-sm120 {_own_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="decide the kernels for a model/GPU/KV dtype, before any weight loads")
     check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
     check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
-    check.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides the heads)")
+    check.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (divides the heads)")
     check.add_argument("--kv-cache-dtype", default="fp8_ds_mla", help="fp8_ds_mla (default), bf16/auto, or what you pass vLLM")
     check.add_argument("--prefill-kernel", help="force a prefill kernel (auto or a kernel name)")
     check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
     check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
-    check.add_argument("--max-decode-tokens", type=int, help="most tokens a decode step sees (batch x (1 + spec tokens))")
-    check.add_argument("--max-prefill-tokens", type=int, help="most tokens a prefill step sees (max_num_batched_tokens)")
+    check.add_argument("--max-decode-tokens", type=_positive_int,
+                       help="most tokens a decode call sees (vLLM: max_num_seqs x (1 + speculative tokens)); "
+                            "<= 64 lets FlashInfer's decode kernel take few heads per GPU")
+    check.add_argument("--max-prefill-tokens", type=_positive_int,
+                       help="most tokens a prefill call sees (vLLM: max_num_batched_tokens)")
     check.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (allows the torch reference for decode)")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=_check)

@@ -113,6 +113,12 @@ def run_gpu_benchmarks(device: str = "cuda", quick: bool = False) -> dict[str, A
         raise KernelUnavailable(format_error(f"device={device!r} on a machine without a CUDA GPU",
                                              "a CUDA GPU for timings", "run it on the GPU machine, or use "
                                              "--compile-only --arch 120 for the kernels' resources"))
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        from mla_sm120_plugin.errors import KernelUnavailable, format_error
+
+        raise KernelUnavailable(format_error(f"device={device!r}", f"cuda:0..cuda:{torch.cuda.device_count() - 1} "
+                                             "on this machine", "pick a GPU this machine has (nvidia-smi lists them)"))
     major, minor = torch.cuda.get_device_capability(device)
     ceilings = measure_ceilings(device, quick)
     rows = []

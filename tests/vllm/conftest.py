@@ -77,13 +77,14 @@ def selector_kwargs(kv_cache_dtype: str, cap: tuple[int, int]) -> dict:
 
 @pytest.fixture(autouse=True)
 def _fresh_backend_state():
+    from mla_sm120_plugin.context import clear_config_cache
     from mla_sm120_plugin.integration.vllm import backend
 
-    for state in (backend._decisions, backend._selector_capability, backend._logged):
-        state.clear()
+    backend.SLOT.clear()
+    clear_config_cache()
     yield
-    for state in (backend._decisions, backend._selector_capability, backend._logged):
-        state.clear()
+    backend.SLOT.clear()
+    clear_config_cache()
 
 
 def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float):

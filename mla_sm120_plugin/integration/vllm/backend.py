@@ -25,13 +25,15 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 
-from ... import config as config_mod
 from ... import device as device_mod
+from ...config import ADDITIONAL_CONFIG_KEY
+from ...context import EngineLimits, build_context, plugin_config
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
+from ...hooks.policy import SERVED_SM_FAMILIES
 from ...kernels import selfcheck
 from ...kernels.binding import BoundKernel, bind
-from ...kernels.layout import BF16, FP8_DS_MLA, HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
+from ...kernels.layout import HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
 from ...modelinfo import facts_from_hf_config
 from ...selection import select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
@@ -41,50 +43,70 @@ logger = logging.getLogger("mla_sm120_plugin")
 
 BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
 
-# vLLM's --kv-cache-dtype -> the layout our kernels read. Anything else (fp8, fp8_e4m3, ...) is
-# passed through as given, and the selection refuses it naming the flag to use instead.
-KV_DTYPE_TO_LAYOUT = {"fp8_ds_mla": FP8_DS_MLA, "auto": BF16, "bfloat16": BF16, None: BF16}
 
-# The plugin serves SM12x. Elsewhere vLLM's own sparse-MLA backends (FlashMLA on SM90/SM100) are
-# the better choice, so the vLLM backend refuses other families even where Triton could run.
-SERVED_SM_FAMILIES = frozenset({12})
-
-_decisions: dict[SelectionContext, Decision] = {}
-_logged: set[SelectionContext] = set()
-# The capability vLLM's selector validated against, in this process; the impl decides for the
-# same device (the selector runs in the worker that then builds the impls).
-_selector_capability: list[tuple[int, int]] = []
-
-
-def _context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
+def engine_limits(vllm_config: Any) -> EngineLimits:
+    """vLLM's parallelism, scheduling and attention settings, as the selection needs them."""
     model_config = vllm_config.model_config
-    reg = get_registry()
-    facts = facts_from_hf_config(model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config,
-                                 name=str(model_config.model), registry=reg)
-    if model_config.architectures:
-        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
-    inline = (vllm_config.additional_config or {}).get(config_mod.ADDITIONAL_CONFIG_KEY)
-    settings = config_mod.load_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
     sched = vllm_config.scheduler_config
     spec = vllm_config.speculative_config
     decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
     comp = vllm_config.compilation_config
-    cuda_graphs = not model_config.enforce_eager and comp.cudagraph_mode is not None and comp.cudagraph_mode.has_full_cudagraphs()
-    return SelectionContext(
-        model_arch=facts.arch,
-        model_name=facts.name,
-        kv_cache_dtype=KV_DTYPE_TO_LAYOUT.get(kv_cache_dtype, str(kv_cache_dtype)),
-        num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
-        index_topk=facts.index_topk,
-        device=device_mod.from_capability(major, minor),
-        prefill_kernel=settings.prefill_kernel,
-        decode_kernel=settings.decode_kernel,
-        kv_scale_format=settings.kv_scale_format,
+    parallel = vllm_config.parallel_config
+    features = set()
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        features.add("hisparse")
+    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        features.add("dcp")
+    return EngineLimits(
+        tensor_parallel_size=parallel.tensor_parallel_size,
         max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
         max_prefill_tokens=sched.max_num_batched_tokens,
-        cuda_graphs=cuda_graphs,
-        forced_by=settings.forced_by(),
+        cuda_graphs=(not model_config.enforce_eager and comp.cudagraph_mode is not None
+                     and comp.cudagraph_mode.has_full_cudagraphs()),
+        features=frozenset(features),
     )
+
+
+def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
+    """The selection context for vLLM's config on a device of capability ``major.minor``."""
+    model_config = vllm_config.model_config
+    reg = get_registry()
+    hf = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
+    facts = facts_from_hf_config(hf, name=str(model_config.model), registry=reg)
+    if model_config.architectures:
+        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
+    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    settings = plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+    return build_context(facts, settings, device_mod.from_capability(major, minor), kv_cache_dtype,
+                         engine_limits(vllm_config))
+
+
+class DecisionSlot:
+    """Where ``validate_configuration`` leaves this process's decisions for the impls vLLM builds next.
+
+    Keyed by (served model, architecture, KV-cache dtype): a speculative draft model is decided
+    on its own. Holds the device capability the selector validated against, so the impls decide
+    for the same device.
+    """
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, str, str], Decision] = {}
+        self.capability: tuple[int, int] | None = None
+        self.logged: set[SelectionContext] = set()
+
+    @staticmethod
+    def key(vllm_config: Any, kv_cache_dtype: str | None) -> tuple[str, str, str]:
+        model_config = vllm_config.model_config
+        archs = model_config.architectures or [""]
+        return str(model_config.model), str(archs[0]), str(kv_cache_dtype)
+
+    def clear(self) -> None:
+        self.decisions.clear()
+        self.capability = None
+        self.logged.clear()
+
+
+SLOT = DecisionSlot()
 
 
 def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> Decision:
@@ -93,29 +115,7 @@ def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int)
     :raises UnsupportedConfiguration: with the combination, what is supported and the fix.
     :raises ConfigError: the plugin config (inline or file) is malformed.
     """
-    ctx = _context_from_vllm(vllm_config, kv_cache_dtype, major, minor)
-    if major not in SERVED_SM_FAMILIES:
-        raise UnsupportedConfiguration(
-            format_error(
-                f"{ctx.describe()}: --attention-backend CUSTOM (mla_sm120) on sm_{major}{minor}",
-                "NVIDIA SM120/SM121 (the SM12x family)",
-                "drop --attention-backend CUSTOM: on this GPU vLLM's own sparse-MLA backends serve DSA models",
-            )
-        )
-    attention_config = getattr(vllm_config, "attention_config", None)
-    if getattr(attention_config, "hisparse_config", None) is not None:
-        # HiSparse writes the cache through another path and remaps top-k through its own index
-        # group; neither is what our kernels read.
-        raise UnsupportedConfiguration(
-            format_error(
-                f"{ctx.describe()}: attention_config.hisparse_config is set",
-                "the standard DSA cache and top-k path (no HiSparse)",
-                "drop the HiSparse attention config, or use vLLM's in-tree sparse-MLA backend for it",
-            )
-        )
-    if ctx not in _decisions:
-        _decisions[ctx] = select(ctx)
-    return _decisions[ctx]
+    return select(context_from_vllm(vllm_config, kv_cache_dtype, major, minor))
 
 
 class MlaSm120MetadataBuilder(FlashInferMLASparseMetadataBuilder):
@@ -187,8 +187,11 @@ class MlaSm120Backend(AttentionBackend):
         cap = kwargs["device_capability"]
         if vllm_config is None or vllm_config.model_config is None:
             return ["mla_sm120: no vLLM model config in scope; the backend decides per model"]
-        decide(vllm_config, kwargs.get("kv_cache_dtype"), cap.major, cap.minor)
-        _selector_capability[:] = [(cap.major, cap.minor)]
+        kv_cache_dtype = kwargs.get("kv_cache_dtype")
+        key = SLOT.key(vllm_config, kv_cache_dtype)
+        if key not in SLOT.decisions or SLOT.capability != (cap.major, cap.minor):
+            SLOT.decisions[key] = decide(vllm_config, kv_cache_dtype, cap.major, cap.minor)
+            SLOT.capability = (cap.major, cap.minor)
         return super().validate_configuration(**kwargs)
 
 
@@ -207,8 +210,11 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                 format_error("MlaSm120Impl built outside vLLM's model construction", "construction by vLLM",
                              "select it with --attention-backend CUSTOM")
             )
-        cap = _device_capability()
-        self.decision = decide(vllm_config, self.kv_cache_dtype, *cap)
+        decision = SLOT.decisions.get(SLOT.key(vllm_config, self.kv_cache_dtype))
+        if decision is None:  # built without vLLM's selector (a forced backend path): decide now
+            decision = decide(vllm_config, self.kv_cache_dtype, *_device_capability())
+            SLOT.decisions[SLOT.key(vllm_config, self.kv_cache_dtype)] = decision
+        self.decision = decision
         ctx = self.decision.context
         self.kv_layout = ctx.kv_cache_dtype
         kernels = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
@@ -222,8 +228,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                                                    strict=check_mode == "strict")
         self._kernels: dict[str, BoundKernel] = kernels
         self._single_kernel = kernels[DECODE].name == kernels[PREFILL].name
-        if ctx not in _logged:
-            _logged.add(ctx)
+        if ctx not in SLOT.logged:
+            SLOT.logged.add(ctx)
             logger.info("%s", self.decision.log_line())
             logger.info("%s", check_line)
 
@@ -285,8 +291,8 @@ def _engine_device() -> torch.device:
 
 
 def _device_capability() -> tuple[int, int]:
-    if _selector_capability:
-        return _selector_capability[0]
+    if SLOT.capability is not None:
+        return SLOT.capability
     from vllm.platforms import current_platform
 
     cap = current_platform.get_device_capability()

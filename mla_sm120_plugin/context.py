@@ -1,0 +1,133 @@
+"""One way from an engine's settings to a :class:`~mla_sm120_plugin.types.SelectionContext`.
+
+``mla-sm120 check``, the vLLM adapter and any later engine adapter translate their own settings
+into the same four inputs — model facts, plugin settings, device, engine limits — and call
+:func:`build_context`, so the same deployment is decided from the same context everywhere.
+Pure Python: nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from . import config as config_mod
+from .errors import ConfigError, format_error
+from .kernels.layout import BF16, FP8_DS_MLA
+from .modelinfo import ModelFacts
+from .types import DeviceInfo, SelectionContext
+
+# The engines' KV-cache dtype spellings -> the layout the kernels read. Other spellings (fp8,
+# fp8_e4m3, ...) pass through unchanged and the built-in policy refuses them, naming the flag.
+KV_DTYPE_ALIASES: Mapping[str, str] = {
+    FP8_DS_MLA: FP8_DS_MLA,
+    BF16: BF16,
+    "bfloat16": BF16,
+    "auto": BF16,  # vLLM's default: the model dtype, bf16 for every DSA model
+}
+
+
+def kv_layout(engine_kv_cache_dtype: str | None) -> str:
+    """The cache layout for an engine's ``--kv-cache-dtype`` value (None: the engine default)."""
+    if engine_kv_cache_dtype is None:
+        return BF16
+    value = str(engine_kv_cache_dtype)
+    return KV_DTYPE_ALIASES.get(value, value)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine's scheduling and parallelism settings mean for the attention calls.
+
+    :param tensor_parallel_size: ranks the heads are split over.
+    :param max_decode_tokens: most query tokens one decode call sees (batch x (1 + speculative
+        tokens)); None when unbounded or unknown.
+    :param max_prefill_tokens: most query tokens one prefill call sees; None when unbounded.
+    :param cuda_graphs: decode is captured in CUDA graphs.
+    :param features: engine features switched on that change the cache or top-k path
+        (``"hisparse"``, ``"dcp"``); see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`.
+    """
+
+    tensor_parallel_size: int = 1
+    max_decode_tokens: int | None = None
+    max_prefill_tokens: int | None = None
+    cuda_graphs: bool = True
+    features: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "max_decode_tokens", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if value is None and name != "tensor_parallel_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(format_error(f"{name}={value!r}", "a positive integer",
+                                               f"set {name.replace('_', '-')} to 1 or more"))
+        object.__setattr__(self, "features", frozenset(self.features))
+
+
+def build_context(
+    facts: ModelFacts,
+    settings: config_mod.Settings,
+    device: DeviceInfo,
+    kv_cache_dtype: str | None,
+    limits: EngineLimits,
+) -> SelectionContext:
+    """The selection context for one model on one device under one engine's settings.
+
+    :param facts: the model's architecture, name, heads and index top-k (:mod:`.modelinfo`).
+    :param settings: the plugin settings resolved for this model (:meth:`PluginConfig.for_model`).
+    :param device: the device decided for.
+    :param kv_cache_dtype: the engine's KV-cache dtype spelling (see :func:`kv_layout`).
+    :param limits: the engine's parallelism and call-size limits.
+    :returns: the context :func:`mla_sm120_plugin.selection.select` decides on.
+    :raises UnsupportedConfiguration: the TP size does not divide the model's heads.
+    """
+    return SelectionContext(
+        model_arch=facts.arch,
+        model_name=facts.name,
+        kv_cache_dtype=kv_layout(kv_cache_dtype),
+        num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
+        index_topk=facts.index_topk,
+        device=device,
+        prefill_kernel=settings.prefill_kernel,
+        decode_kernel=settings.decode_kernel,
+        kv_scale_format=settings.kv_scale_format,
+        max_decode_tokens=limits.max_decode_tokens,
+        max_prefill_tokens=limits.max_prefill_tokens,
+        cuda_graphs=limits.cuda_graphs,
+        forced_by=settings.forced_by(),
+        tensor_parallel_size=limits.tensor_parallel_size,
+        features=limits.features,
+    )
+
+
+# Plugin configs read in this process, by their sources: an engine asks once per layer and per
+# worker start-up, the file is read and validated once.
+_configs: dict[tuple[str, str | None, str | None], config_mod.PluginConfig] = {}
+
+
+def plugin_config(
+    inline: Mapping[str, Any] | None,
+    *,
+    kernel_names: Iterable[str],
+    config_file: str | None = None,
+    inline_label: str = f"--additional-config {config_mod.ADDITIONAL_CONFIG_KEY}",
+) -> config_mod.PluginConfig:
+    """:func:`mla_sm120_plugin.config.load_config`, read once per process for the same sources.
+
+    :raises ConfigError: a source is unreadable or malformed (not cached: the next call retries).
+    """
+    names = tuple(kernel_names)
+    inline_key = json.dumps(inline, sort_keys=True, default=repr) if inline is not None else None
+    key = (f"{inline_key}|{inline_label}|{','.join(names)}", config_file, os.environ.get(config_mod.CONFIG_ENV))
+    if key not in _configs:
+        _configs[key] = config_mod.load_config(inline, kernel_names=names, config_file=config_file,
+                                               inline_label=inline_label)
+    return _configs[key]
+
+
+def clear_config_cache() -> None:
+    """Forget configs read so far (tests, or after editing the file in a long-lived process)."""
+    _configs.clear()
