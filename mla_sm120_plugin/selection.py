@@ -202,19 +202,27 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 _fix_for(ctx, failing_reasons),
             )
         )
-    notes: tuple[str, ...] = ()
+    notes: list[str] = []
     if skipped:
-        notes = (
+        notes.append(
             f"device {ctx.device.label} is planned ({ctx.device.source}), not present here: kernel probes "
-            "(installed packages, GPU, JIT compiler) were not run; run `mla-sm120 doctor` on that machine",
+            "(installed packages, GPU, JIT compiler) were not run; run `mla-sm120 doctor` on that machine"
         )
+    for spec in reg.kernels.values():
+        if spec.envelope_note is not None and ctx.kv_cache_dtype in spec.kv_cache_dtypes:
+            try:
+                note = spec.envelope_note()
+            except Exception as exc:  # a note is information, never a reason to fail the decision
+                note = f"envelope note failed: {type(exc).__name__}: {exc}"
+            if note:
+                notes.append(f"{spec.name}: {note}")
     return Decision(
         context=ctx,
         profile=profile,
         kernels=chosen,
         scale_format=scale_format,
         rejections=tuple(rejections),
-        notes=notes,
+        notes=tuple(notes),
         alternates=alternates,
     )
 

@@ -141,7 +141,6 @@ class ModelProfile:
     :param index_topk: the indexer's top-k.
     :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
     :param aliases: other names the CLI accepts (HF repo ids).
-    :param flashinfer_family: FlashInfer's name for this model family's kernels, where it has one.
     """
 
     name: str
@@ -153,7 +152,6 @@ class ModelProfile:
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     aliases: tuple[str, ...] = ()
-    flashinfer_family: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"ModelProfile({self.name!r})"
@@ -211,6 +209,9 @@ class KernelSpec:
     :param envelope: extra per-phase shape checks.
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
     :param description: one line for tables.
+    :param envelope_note: where ``envelope``'s facts come from when they are not the installed
+        package's (a table shipped with the plugin for a package missing here); the decision
+        carries it as a note, so a core-only install says which facts it used.
     :param tolerance: the largest difference from the torch reference the kernel promises, as a
         fraction of the reference output's largest magnitude; the self-check at engine init
         (:mod:`mla_sm120_plugin.kernels.selfcheck`) holds it to this.
@@ -232,6 +233,7 @@ class KernelSpec:
     graph_safe: bool = True
     description: str = ""
     tolerance: float = 1e-2
+    envelope_note: Callable[[], "str | None"] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
@@ -262,7 +264,7 @@ class KernelSpec:
             raise PluginError(format_error(f"{owner}.max_tokens={self.max_tokens!r}", "a positive int or None", "fix it"))
         if not isinstance(self.entry, str) or self.entry.count(":") != 1:
             raise PluginError(format_error(f"{owner}.entry={self.entry!r}", "'package.module:function'", "fix entry"))
-        for attr in ("probe", "envelope"):
+        for attr in ("probe", "envelope", "envelope_note"):
             if getattr(self, attr) is not None and not callable(getattr(self, attr)):
                 raise PluginError(format_error(f"{owner}.{attr}={getattr(self, attr)!r}", "a callable or None", "fix it"))
         tol = self.tolerance

@@ -19,7 +19,6 @@ GLM_DSA = ModelProfile(
     index_topk=2048,
     kv_scale_format=SCALE_ARBITRARY,  # GLM writes amax/448 scales
     aliases=("glm-dsa", "zai-org/GLM-5", "zai-org/GLM-5-FP8"),
-    flashinfer_family="glm_nsa",
 )
 
 DEEPSEEK_V32 = ModelProfile(
@@ -30,7 +29,6 @@ DEEPSEEK_V32 = ModelProfile(
     index_topk=2048,
     kv_scale_format=SCALE_POW2,  # DeepSeek-V3.2 writes power-of-two scales
     aliases=("deepseek-ai/DeepSeek-V3.2", "deepseek-ai/DeepSeek-V3.2-Exp"),
-    flashinfer_family="dsv3_2",
 )
 
 

@@ -57,6 +57,12 @@ def _flashinfer_envelope(ctx: SelectionContext, phase: str, profile: ModelProfil
     )
 
 
+def _flashinfer_table_note() -> str | None:
+    from . import flashinfer_table
+
+    return flashinfer_table.table_note()
+
+
 def _gpu_or_interpreter(device: DeviceInfo) -> tuple[str, ...]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return ()
@@ -88,6 +94,7 @@ FLASHINFER_SPEC = KernelSpec(
     entry="mla_sm120_plugin.kernels.flashinfer:flashinfer_sparse_mla",
     probe=_flashinfer_probe,
     envelope=_flashinfer_envelope,
+    envelope_note=_flashinfer_table_note,
     graph_safe=True,
     description="FlashInfer's native SM120/SM121 sparse MLA (fp8 Q/P internally)",
     # Q and P are quantized to fp8 e4m3 inside (3 mantissa bits); errors of single probabilities

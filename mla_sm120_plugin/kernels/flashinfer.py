@@ -335,16 +335,19 @@ def _table_reasons(
         bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
         calls = f"{phase} calls of {bound}"
         tile = table.prefill_topk_tile
+        # Decode calls can be bounded by the engine's settings; that is the fix to name.
+        bound_fix = (f"; decode calls of <= {limit} tokens would fit (mla-sm120 check --max-decode-tokens {limit}; "
+                     f"vLLM: --max-num-seqs x (1 + speculative tokens) <= {limit})") if phase == "decode" else ""
         if topk % tile:
             reasons.append(
                 f"topk={topk} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
-                f"which need topk % {tile} == 0 (decode handles any topk up to {limit} tokens a call)"
+                f"which need topk % {tile} == 0 (decode handles any topk up to {limit} tokens a call){bound_fix}"
             )
         if num_heads not in table.prefill_heads:
             reasons.append(
                 f"num_heads={num_heads} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
                 f"which exist for heads {sorted(table.prefill_heads)} "
-                f"(decode takes 1..{heads[-1]} up to {limit} tokens a call)"
+                f"(decode takes 1..{heads[-1]} up to {limit} tokens a call){bound_fix}"
             )
     return reasons
 

@@ -123,6 +123,11 @@ def test_core_install_decides_like_the_full_install(pluggy_only, model_dir, args
     assert core_summary == full_summary
     if expected is not None:
         assert core_summary["kernels"] == expected
+    if core.returncode == 0:
+        # The core install says which facts it decided with; the full install has its own table.
+        core_notes = json.loads(core.stdout)["notes"]
+        assert any("packaged table" in n and "flashinfer not installed here" in n for n in core_notes), core_notes
+        assert not any("packaged table" in n for n in json.loads(full.stdout)["notes"])
 
 
 def test_planned_check_imports_no_heavy_package():
