@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from . import files
 from .errors import ConfigError, format_error
 from .kernels.layout import SCALE_FORMATS
 from .types import AUTO, ENGINE_NATIVE_IMPLS
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 CONFIG_ENV = "MLA_SM120_CONFIG"
 ADDITIONAL_CONFIG_KEY = "mla_sm120"  # the key under vLLM's --additional-config
@@ -171,17 +166,8 @@ def _check_layer(data: Any, label: str, kernel_names: Iterable[str], *, inline: 
 
 
 def _read_toml(path: str, named_by: str) -> Any:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(format_error(f"{named_by}={path!r}: no such file", "a readable TOML file", "fix the path")) from None
-    except OSError as exc:
-        raise ConfigError(format_error(f"{named_by}={path!r}: {exc}", "a readable TOML file", "fix the path or permissions")) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(format_error(f"{path}: not UTF-8: {exc}", "a UTF-8 TOML file", "re-save the file as UTF-8")) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(format_error(f"{path}: invalid TOML: {exc}", "TOML 1.0", "fix the syntax at the position given")) from None
+    """The TOML file ``named_by`` names: a regular file, bounded in size and nesting (see :mod:`.files`)."""
+    return files.read_toml(path, label=f"{named_by}={files.short_repr(path, limit=300)}")
 
 
 def load_config(

@@ -6,19 +6,29 @@ and the vLLM backend (``ModelConfig.hf_config``), so both see the same numbers.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from . import files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
 from .hooks.manager import Registry
+
+# Bounds on what a config may claim; above them the value is a typo or a corrupted file, not a model.
+# The largest MLA models have 128 heads (DeepSeek-V3/V3.2; GLM-5 has 64): 1024 leaves 8x headroom.
+MAX_HEADS = 1024
+# Known DSA models pick 2048 tokens per query, and a top-k above the context length selects nothing
+# more: 1 << 20 (1M tokens) is above any context served today, yet small enough that sizes derived
+# from it (top-k x 656 cache bytes per query) stay ordinary numbers.
+MAX_INDEX_TOPK = 1 << 20
 
 
 @dataclass(frozen=True)
 class ModelFacts:
     """:param arch: HF ``architectures[0]``. :param name: what the user called it.
-    :param num_heads: attention heads before tensor parallelism. :param index_topk: indexer top-k."""
+    :param num_heads: attention heads before tensor parallelism; 0 when the config omits it and no
+        profile serves ``arch`` (the selection then refuses the architecture).
+    :param index_topk: indexer top-k; 0 in the same case."""
 
     arch: str
     name: str
@@ -26,8 +36,17 @@ class ModelFacts:
     index_topk: int
 
     def heads_per_rank(self, tp: int) -> int:
-        """Heads on one GPU at tensor-parallel size ``tp``."""
-        if tp < 1 or self.num_heads % tp:
+        """Heads on one GPU at tensor-parallel size ``tp``.
+
+        :raises ConfigError: ``tp`` is not an int >= 1.
+        :raises UnsupportedConfiguration: ``tp`` does not divide the heads.
+        """
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(
+                format_error(f"tensor_parallel_size={files.short_repr(tp)} ({type(tp).__name__})",
+                             "an int >= 1 that divides the head count", "pass the tensor-parallel size as a positive int")
+            )
+        if self.num_heads % tp:
             raise UnsupportedConfiguration(
                 format_error(
                     f"tensor_parallel_size={tp} for {self.name} with {self.num_heads} heads",
@@ -38,41 +57,92 @@ class ModelFacts:
         return self.num_heads // tp
 
 
+_ABSENT = object()
+
+
 def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+    """``cfg[key]`` for a dict (a present null is a value, and wrong); ``cfg.key`` for a
+    ``PretrainedConfig``-like object (None is how those say absent)."""
+    if isinstance(cfg, dict):
+        return cfg.get(key, _ABSENT)
+    value = getattr(cfg, key, None)
+    return _ABSENT if value is None else value
 
 
-def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry) -> ModelFacts:
+def _bad_value(where: str, key: str, value: Any, supported: str, fix: str) -> ConfigError:
+    return ConfigError(format_error(f"{where}: {key}={files.short_repr(value)} ({type(value).__name__})", supported, fix))
+
+
+def _architectures(cfg: Any, where: str) -> tuple[str, ...]:
+    archs = _get(cfg, "architectures")
+    if archs is _ABSENT:
+        raise ConfigError(format_error(f"{where}: config has no 'architectures'", "a HF config.json",
+                                       "point at the model's config"))
+    if (
+        not isinstance(archs, (list, tuple))
+        or not archs
+        or not all(isinstance(a, str) and a for a in archs)
+    ):
+        raise _bad_value(where, "architectures", archs, 'a non-empty list of non-empty strings, e.g. ["GlmMoeDsaForCausalLM"]',
+                         "point at the model's own config.json, or correct 'architectures' in it")
+    return tuple(archs)
+
+
+def _count(cfg: Any, key: str, bound: int, fallback: int | None, where: str, arch: str) -> int:
+    """A positive int field; absent: ``fallback`` (the profile's value), else 0 (see :class:`ModelFacts`)."""
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return fallback or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+        profile_hint = f", or remove it to use the {arch} profile's {fallback}" if fallback else ""
+        raise _bad_value(where, key, value, f"an integer from 1 to {bound} (not a bool, float or string)",
+                         f"set {key} to the model's value{profile_hint}")
+    return value
+
+
+def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str | None = None) -> ModelFacts:
     """Read arch, heads and index top-k from a HF config dict or ``PretrainedConfig``.
 
-    Missing ``index_topk`` falls back to the matched profile's value (older exports omit it).
+    A missing ``num_attention_heads`` or ``index_topk`` falls back to the matched profile's value
+    (older exports omit ``index_topk``); a present one must be an int within :data:`MAX_HEADS` /
+    :data:`MAX_INDEX_TOPK`. For an object, a None attribute counts as missing.
+
+    :param source: how messages name the config (the file's path); ``name``'s HF config by default.
+    :raises ConfigError: no or malformed ``architectures``; a present count of the wrong type or range.
     """
-    archs = _get(cfg, "architectures") or []
-    if not archs:
-        raise ConfigError(format_error(f"{name}: config has no 'architectures'", "a HF config.json", "point at the model's config"))
-    arch = archs[0]
+    where = source or f"HF config of {name}"
+    arch = _architectures(cfg, where)[0]
     profile = registry.by_arch.get(arch)
-    heads = _get(cfg, "num_attention_heads") or (profile.num_heads if profile else None)
-    topk = _get(cfg, "index_topk") or (profile.index_topk if profile else None)
-    return ModelFacts(arch=arch, name=name, num_heads=int(heads or 0), index_topk=int(topk or 0))
+    heads = _count(cfg, "num_attention_heads", MAX_HEADS, profile.num_heads if profile else None, where, arch)
+    topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, profile.index_topk if profile else None, where, arch)
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk)
+
+
+def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
+    label = f"--model {files.short_repr(spec, limit=300)}" + ("" if path == spec else f" ({path})")
+    cfg = files.read_json(path, label=label)
+    if not isinstance(cfg, dict):
+        raise ConfigError(format_error(f"{label}: the top level is a JSON {type(cfg).__name__}", "a HF config.json: a JSON object",
+                                       "point at the model's config.json"))
+    return facts_from_hf_config(cfg, name=spec, registry=registry, source=path)
 
 
 def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
-    """A built-in/plugin profile name or alias, a model directory, or a ``config.json`` path."""
+    """A built-in/plugin profile name or alias, a model directory, or a ``config.json`` path.
+
+    A path that exists wins over a profile of the same name, except a directory without a
+    ``config.json``; a path that exists but is no readable regular file is refused, not guessed at.
+    """
+    files.check_path(spec, label=f"--model {files.short_repr(spec, limit=300)}", what=files.JSON_FILE)
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-    if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(format_error(f"--model {spec}: {exc}", "a readable HF config.json", "fix the path")) from None
-        return facts_from_hf_config(cfg, name=spec, registry=registry)
     profile = registry.profile_for(spec)
+    if os.path.lexists(path) or (path != spec and profile is None):
+        return _facts_from_file(spec, path, registry)
     if profile is None:
         names = sorted({p.name for p in registry.profiles.values()} | {a for p in registry.profiles.values() for a in p.aliases})
         raise ConfigError(
             format_error(
-                f"--model {spec!r} is neither a profile name nor a path to a config.json",
+                f"--model {files.short_repr(spec, limit=300)} is neither a profile name nor a path to a config.json",
                 f"a model directory, a config.json, or one of {names}",
                 "pass a local model directory or a listed name",
             )
