@@ -60,7 +60,10 @@ def _from_nvidia_smi() -> DeviceInfo | None:
         return None
     if not out:
         return None
-    name, cap, _driver = (p.strip() for p in out.splitlines()[0].split(",", 2))
+    fields = [p.strip() for p in out.splitlines()[0].split(",", 2)]
+    if len(fields) != 3:  # an nvidia-smi that answers something else (an error text) found no GPU
+        return None
+    name, cap, _driver = fields
     major, _, minor = cap.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         return None

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 
-from mla_sm120_plugin.device import detect, parse_device
+from mla_sm120_plugin.device import _detect_hardware, detect, parse_device
 from mla_sm120_plugin.errors import ConfigError
 
 
@@ -33,10 +36,39 @@ def test_override_beats_env(monkeypatch):
     assert detect(override="12.1").sm == "12.1"
 
 
-def test_this_machine_without_gpu_is_cpu(monkeypatch):
+def test_detection_agrees_with_nvidia_smi(monkeypatch):
     monkeypatch.delenv("MLA_SM120_DEVICE", raising=False)
+    _detect_hardware.cache_clear()
     dev = detect()
-    # CI and dev machines here have no GPU; on a GPU box this asserts the detection agrees.
-    import shutil
-    if shutil.which("nvidia-smi") is None:
-        assert dev.vendor == "cpu" and not dev.is_planned
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        expected = "amd" if shutil.which("rocm-smi") else "cpu"
+        assert (dev.vendor, dev.is_planned, dev.source) == (expected, False, "detected")
+        return
+    cap = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30).stdout.splitlines()[0].strip()
+    assert (dev.vendor, dev.sm, dev.is_planned) == ("nvidia", cap, False)
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        ("NVIDIA GeForce RTX 5090, 12.0, 575.57.08\n", ("nvidia", "12.0", "NVIDIA GeForce RTX 5090")),
+        ("NVIDIA GB10, 12.1, 580.1\nNVIDIA GB10, 12.1, 580.1\n", ("nvidia", "12.1", "NVIDIA GB10")),
+        ("", ("cpu", "cpu", "no GPU found")),
+        ("garbage without commas\n", ("cpu", "cpu", "no GPU found")),
+    ],
+)
+def test_nvidia_smi_output_is_parsed(tmp_path, monkeypatch, output, expected):
+    # A stand-in nvidia-smi executable on PATH: the real parsing and subprocess code runs.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nprintf '%s' '{output}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("MLA_SM120_DEVICE", raising=False)
+    _detect_hardware.cache_clear()
+    try:
+        dev = detect()
+    finally:
+        _detect_hardware.cache_clear()
+    assert (dev.vendor, dev.sm, dev.name) == expected
