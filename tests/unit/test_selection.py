@@ -245,3 +245,93 @@ def test_device_env_plans_for_another_machine():
     res = run_cli("check", "--model", "glm-5", "--json", env={"MLA_SM120_DEVICE": "sm_121"})
     data = json.loads(res.stdout)
     assert data["device"]["sm"] == "12.1" and data["device"]["source"] == "MLA_SM120_DEVICE"
+
+
+# --- the built-in policy: one set of rules for check, doctor and every engine ---------------
+
+
+class _WideProfile:
+    @hookimpl
+    def mla_sm120_model_profiles(self):
+        from mla_sm120_plugin.types import ModelProfile
+
+        yield ModelProfile(name="wide-dsa", architectures=("WideDsaForCausalLM",), model_type="wide",
+                           num_heads=32, index_topk=2048, kv_scale_format="pow2", kv_lora_rank=1024)
+
+
+def test_profile_geometry_must_match_what_the_kernels_read():
+    reg = build_registry(load_entry_points=False, extra_plugins={"wide": _WideProfile()})
+    with pytest.raises(UnsupportedConfiguration) as err:
+        select(ctx("WideDsaForCausalLM", heads=32), registry=reg)
+    msg = str(err.value)
+    assert "profile wide-dsa has kv_lora_rank=1024, qk_rope_head_dim=64: the kernels read 512+64-wide caches" in msg
+    assert_three_parts(msg, "model_arch=WideDsaForCausalLM")
+
+
+@pytest.mark.parametrize("feature, needle", [("hisparse", "HiSparse writes the cache"),
+                                             ("dcp", "decode context parallelism"),
+                                             ("index_kpool", "pooled top-k ids"),
+                                             ("something_new", "an engine feature this plugin does not know")])
+def test_engine_features_the_kernels_cannot_read_are_refused(reg, feature, needle):
+    with pytest.raises(UnsupportedConfiguration, match=needle):
+        select(ctx(features=frozenset({feature})), registry=reg)
+
+
+def test_every_refusal_at_once_one_per_line(reg):
+    with pytest.raises(UnsupportedConfiguration) as err:
+        select(ctx(sm="9.0", kv="fp8_e4m3", features=frozenset({"hisparse"})), registry=reg)
+    lines = str(err.value).splitlines()
+    reasons = [line for line in lines if line.startswith("  - ")]
+    assert len(reasons) == 3, lines
+    fix = next(line for line in lines if line.startswith("fix: "))
+    assert "--kv-cache-dtype fp8_ds_mla" in fix and "HiSparse" in fix and "FLASHMLA_SPARSE" in fix
+
+
+def test_validate_hook_reasons_name_their_plugin():
+    reg = build_registry(load_entry_points=False, extra_plugins={"refuse": _Refuse()})
+    with pytest.raises(UnsupportedConfiguration) as err:
+        select(ctx(heads=4), registry=reg)
+    assert "  - heads per rank below 8 not validated on this site (refused by plugin refuse)" in str(err.value)
+
+
+def test_fix_names_only_what_applies(reg):
+    # A planned device runs no probe, so nothing is "missing": no pip line.
+    with pytest.raises(UnsupportedConfiguration) as err:
+        select(ctx(kv="bf16", decode_kernel=FLASHINFER), registry=reg)
+    fix = str(err.value).splitlines()[-1]
+    assert "pip install" not in fix and "probe" not in fix
+    assert "remove the kernel override" in fix and "--kv-cache-dtype fp8_ds_mla" in fix
+
+
+def test_cli_sm90_exits_2_naming_the_engines_backends():
+    res = run_cli("check", "--model", "glm-5", "--sm", "9.0", "--kv-cache-dtype", "fp8_ds_mla")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "device sm_90: this plugin serves SM12x only" in res.stderr
+    assert "FLASHMLA_SPARSE" in res.stderr and "drop --attention-backend CUSTOM" in res.stderr
+
+
+def test_cli_without_gpu_or_plan_exits_2(monkeypatch):
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: check decides for its GPU")
+    res = run_cli("check", "--model", "glm-5")
+    assert res.returncode == 2 and "no GPU found on this machine" in res.stderr and "--sm 12.0" in res.stderr
+    assert "servable" not in res.stdout
+
+
+def test_cli_version_and_help():
+    from mla_sm120_plugin import __version__
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"mla-sm120 {__version__}"
+    res = run_cli("--help")
+    assert res.returncode == 0 and "``" not in res.stdout
+
+
+def test_cli_header_echoes_tp_and_heads():
+    res = run_cli("check", "--model", "glm-5", "--sm", "12.1", "--tp", "16")
+    assert res.returncode == 0, res.stderr
+    assert "4 heads per rank (tensor parallel 16)" in res.stdout
+    assert "--max-decode-tokens 64" in res.stdout  # the setting that lets FlashInfer decode 4 heads
+    assert "planned is planned" not in res.stdout

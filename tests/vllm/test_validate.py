@@ -126,3 +126,65 @@ def test_hisparse_is_refused_before_weights_load(tmp_path):
     vc.attention_config.hisparse_config = HiSparseConfig()
     with pytest.raises(UnsupportedConfiguration, match="hisparse is on: HiSparse writes the cache"):
         _validate(vc)
+
+
+def _lines_after_combination(message: str) -> list[str]:
+    """The reason, supported and fix lines: everything but the combination (which names the model
+    as each caller calls it)."""
+    return message.splitlines()[1:]
+
+
+@pytest.mark.parametrize("sm", ["9.0", "10.0"])
+def test_vllm_refuses_other_families_with_the_text_check_prints(tmp_path, sm):
+    from helpers import run_cli
+
+    model = write_model(tmp_path, "glm")
+    major, minor = (int(x) for x in sm.split("."))
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _validate(make_vllm_config(model), cap=(major, minor))
+    res = run_cli("check", "--model", model, "--sm", sm, "--kv-cache-dtype", "fp8_ds_mla")
+    assert res.returncode == 2
+    cli_message = res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")
+    assert _lines_after_combination(cli_message) == _lines_after_combination(str(err.value))
+    assert f"device sm_{major}{minor}: this plugin serves SM12x only" in cli_message
+
+
+def test_check_and_vllm_build_the_same_context(tmp_path):
+    # The same deployment through both translators: vLLM's config objects and check's flags.
+    from mla_sm120_plugin.context import EngineLimits, build_context, plugin_config
+    from mla_sm120_plugin.device import parse_device
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.integration.vllm.backend import context_from_vllm
+    from mla_sm120_plugin.modelinfo import resolve_model
+
+    model = write_model(tmp_path, "glm", index_topk=1024)
+    vc = make_vllm_config(model, tp=16, max_num_seqs=32, enforce_eager=True,
+                          additional_config={"mla_sm120": {"decode_kernel": TRITON}})
+    from_vllm = context_from_vllm(vc, "fp8_ds_mla", 12, 1)
+    reg = get_registry()
+    facts = resolve_model(model, registry=reg)
+    settings = plugin_config({"decode_kernel": TRITON}, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+    from_cli = build_context(facts, settings, parse_device("12.1", source="--sm"), "fp8_ds_mla",
+                             EngineLimits(tensor_parallel_size=16, max_decode_tokens=32, max_prefill_tokens=4096,
+                                          cuda_graphs=False))
+    differ = {f for f in from_cli.__dataclass_fields__ if getattr(from_cli, f) != getattr(from_vllm, f)}
+    # Only where the device came from and where the forced kernel came from may differ.
+    assert differ <= {"device", "forced_by"}, differ
+    assert (from_vllm.device.sm, from_cli.device.sm) == ("12.1", "12.1")
+    assert (from_vllm.num_heads, from_vllm.index_topk, from_vllm.tensor_parallel_size) == (4, 1024, 16)
+
+
+def test_config_is_read_once_per_process(tmp_path, monkeypatch):
+    from mla_sm120_plugin import context
+
+    model = write_model(tmp_path, "glm")
+    cfg = tmp_path / "mla.toml"
+    cfg.write_text(f'decode_kernel = "{TRITON}"\n')
+    monkeypatch.setenv(CONFIG_ENV, str(cfg))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reads = []
+    original = context.config_mod.load_config
+    monkeypatch.setattr(context.config_mod, "load_config", lambda *a, **k: reads.append(1) or original(*a, **k))
+    for _ in range(3):
+        assert decide(make_vllm_config(model, enforce_eager=True), "fp8_ds_mla", 12, 0).decode == TRITON
+    assert len(reads) == 1
