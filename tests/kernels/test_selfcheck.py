@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import DEVICE
+from helpers import DEVICE, demo_plugins_except
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry, reset_registry
 from mla_sm120_plugin.kernels import layout, selfcheck
@@ -39,7 +39,8 @@ def test_a_kernel_that_ignores_the_scales_is_caught(noscale_plugin_path, monkeyp
 
 def test_a_kernel_that_raises_is_reported_not_raised(demo_plugin_path, monkeypatch):
     monkeypatch.syspath_prepend(str(demo_plugin_path))
-    monkeypatch.setenv("MLA_SM120_DISABLE_PLUGINS", "demo_broken_import,demo_wrong_type,demo_duplicate")
+    for name, value in demo_plugins_except().items():
+        monkeypatch.setenv(name, value)
     reset_registry()
     result = selfcheck.check(bind("demo_sparse_mla"), phase="decode", kv_layout=layout.FP8_DS_MLA,
                              scale_format=layout.SCALE_POW2, num_heads=4, topk=64, device=DEVICE)
@@ -55,7 +56,7 @@ def test_mode_from_the_environment(monkeypatch, value, expected):
 
 def test_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv(selfcheck.ENV, "sometimes")
-    with pytest.raises(UnsupportedConfiguration, match=r"given: MLA_SM120_SELF_CHECK='sometimes'.*fix:"):
+    with pytest.raises(UnsupportedConfiguration, match=r"(?s)given: MLA_SM120_SELF_CHECK='sometimes'.*fix:"):
         selfcheck.mode()
 
 
@@ -91,7 +92,7 @@ def test_a_kernel_must_state_a_usable_tolerance(tolerance):
     from mla_sm120_plugin.errors import PluginError
     from mla_sm120_plugin.types import KernelSpec
 
-    with pytest.raises(PluginError, match=r"tolerance=.*supported: a float in \(0, 1\)"):
+    with pytest.raises(PluginError, match=r"(?s)tolerance=.*supported: a float in \(0, 1\)"):
         KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"bf16"}, vendors={"cpu"}, priority=1,
                    entry="m:f", tolerance=tolerance)
 
