@@ -8,6 +8,7 @@ Pure Python: nothing heavy is imported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -17,24 +18,36 @@ from . import config as config_mod
 from .errors import ConfigError, format_error
 from .kernels.layout import BF16, FP8_DS_MLA
 from .modelinfo import ModelFacts
-from .types import DeviceInfo, SelectionContext
+from .types import AUTO, DeviceInfo, SelectionContext
 
-# The engines' KV-cache dtype spellings -> the layout the kernels read. Other spellings (fp8,
-# fp8_e4m3, ...) pass through unchanged and the built-in policy refuses them, naming the flag.
-KV_DTYPE_ALIASES: Mapping[str, str] = {
-    FP8_DS_MLA: FP8_DS_MLA,
-    BF16: BF16,
-    "bfloat16": BF16,
-    "auto": BF16,  # vLLM's default: the model dtype, bf16 for every DSA model
+# Each engine's KV-cache dtype spellings -> the layout the kernels read. Other spellings pass
+# through unchanged and the built-in policy refuses them, naming the flag. The same word can mean
+# different bytes: SGLang's "fp8_e4m3" for a DSA model is the 656-byte packed layout, vLLM's is a
+# plain fp8 cache (vLLM calls the packed one "fp8_ds_mla").
+KV_DTYPE_ALIASES: Mapping[str, Mapping[str, str]] = {
+    "vllm": {
+        FP8_DS_MLA: FP8_DS_MLA,
+        BF16: BF16,
+        "bfloat16": BF16,
+        "auto": BF16,  # vLLM's default: the model dtype, bf16 for every DSA model
+    },
+    "sglang": {
+        "fp8_e4m3": FP8_DS_MLA,  # SGLang's DSA pool packs fp8 latent + fp32 scales + bf16 rope
+        FP8_DS_MLA: FP8_DS_MLA,
+        BF16: BF16,
+        "bfloat16": BF16,
+        "auto": BF16,
+    },
 }
+ENGINES = tuple(KV_DTYPE_ALIASES)
 
 
-def kv_layout(engine_kv_cache_dtype: str | None) -> str:
+def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm") -> str:
     """The cache layout for an engine's ``--kv-cache-dtype`` value (None: the engine default)."""
     if engine_kv_cache_dtype is None:
         return BF16
     value = str(engine_kv_cache_dtype)
-    return KV_DTYPE_ALIASES.get(value, value)
+    return KV_DTYPE_ALIASES[engine].get(value, value)
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,10 @@ class EngineLimits:
     :param cuda_graphs: decode is captured in CUDA graphs.
     :param features: engine features switched on that change the cache or top-k path
         (``"hisparse"``, ``"dcp"``); see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`.
+    :param engine: whose spellings ``kv_cache_dtype`` uses (a key of :data:`KV_DTYPE_ALIASES`).
+    :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
+        fact rather than the model's (SGLang writes amax/448 for every model); None: the model's.
+        An explicit ``kv_scale_format`` in the plugin config still wins.
     """
 
     tensor_parallel_size: int = 1
@@ -55,6 +72,8 @@ class EngineLimits:
     max_prefill_tokens: int | None = None
     cuda_graphs: bool = True
     features: frozenset[str] = field(default_factory=frozenset)
+    engine: str = "vllm"
+    scale_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_decode_tokens", "max_prefill_tokens"):
@@ -65,6 +84,9 @@ class EngineLimits:
                 raise ConfigError(format_error(f"{name}={value!r}", "a positive integer",
                                                f"set {name.replace('_', '-')} to 1 or more"))
         object.__setattr__(self, "features", frozenset(self.features))
+        if self.engine not in KV_DTYPE_ALIASES:
+            raise ConfigError(format_error(f"engine={self.engine!r}", f"one of {list(KV_DTYPE_ALIASES)}",
+                                           "pass the engine the context is built for"))
 
 
 def build_context(
@@ -87,13 +109,14 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype),
+        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine),
         num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
         index_topk=facts.index_topk,
         device=device,
         prefill_kernel=settings.prefill_kernel,
         decode_kernel=settings.decode_kernel,
-        kv_scale_format=settings.kv_scale_format,
+        kv_scale_format=(settings.kv_scale_format if settings.kv_scale_format != AUTO or limits.scale_format is None
+                         else limits.scale_format),
         max_decode_tokens=limits.max_decode_tokens,
         max_prefill_tokens=limits.max_prefill_tokens,
         cuda_graphs=limits.cuda_graphs,
@@ -131,3 +154,27 @@ def plugin_config(
 def clear_config_cache() -> None:
     """Forget configs read so far (tests, or after editing the file in a long-lived process)."""
     _configs.clear()
+
+
+def context_to_json(ctx: SelectionContext) -> str:
+    """``ctx`` as JSON text, for an engine that decides in one process and runs in others
+    (SGLang's launcher decides; its schedulers bind through the environment)."""
+    fields = dataclasses.asdict(ctx)
+    fields["features"] = sorted(ctx.features)
+    return json.dumps(fields, sort_keys=True)
+
+
+def context_from_json(text: str) -> SelectionContext:
+    """The context :func:`context_to_json` wrote.
+
+    :raises ConfigError: the text is not such a context (hand-edited or from another version).
+    """
+    try:
+        fields = json.loads(text)
+        fields["device"] = DeviceInfo(**fields["device"])
+        fields["features"] = frozenset(fields["features"])
+        return SelectionContext(**fields)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(format_error(f"a serialized selection context that does not parse ({type(exc).__name__}: "
+                                       f"{exc})", "what context_to_json wrote, from this plugin version",
+                                       "restart the engine so its launcher decides again")) from None

@@ -134,9 +134,11 @@ def detect(*, override: str | None = None, use_torch: bool = False) -> DeviceInf
     return _detect_hardware(use_torch)
 
 
-def from_capability(major: int, minor: int, *, name: str = "", cuda_version: str | None = None) -> DeviceInfo:
-    """A device from an engine-reported compute capability (vLLM's ``DeviceCapability``)."""
-    return DeviceInfo("nvidia", int(major), int(minor), cuda_version=cuda_version, name=name, source="vllm")
+def from_capability(major: int, minor: int, *, name: str = "", cuda_version: str | None = None,
+                    source: str = "vllm") -> DeviceInfo:
+    """A device from an engine-reported compute capability (vLLM's ``DeviceCapability``, SGLang's
+    ``torch.cuda.get_device_capability()``); ``source`` names the engine."""
+    return DeviceInfo("nvidia", int(major), int(minor), cuda_version=cuda_version, name=name, source=source)
 
 
 def device_for_tensor_type(device_type: str) -> DeviceInfo:

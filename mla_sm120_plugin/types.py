@@ -39,6 +39,10 @@ ENGINE_NATIVE_IMPLS = (
 
 VENDORS = ("nvidia", "amd", "cpu")
 
+# Where a device comes from when it is the one the decision runs on: found on this machine, or
+# reported by the engine that is starting. Any other source (--sm, MLA_SM120_DEVICE) plans ahead.
+PRESENT_SOURCES = ("detected", "vllm", "sglang")
+
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_.\-]*$")
 
 
@@ -70,7 +74,7 @@ class DeviceInfo:
     :param cuda_version: the CUDA toolkit/runtime version string where known.
     :param name: a human name (``"NVIDIA GeForce RTX 5090"``, ``"planned sm_121"``).
     :param source: where this came from: ``"detected"``, ``"MLA_SM120_DEVICE"``, ``"--sm"``,
-        ``"vllm"``. Anything but ``"detected"``/``"vllm"`` is a *planned* device: hardware probes
+        ``"vllm"``, ``"sglang"``. Anything but those in :data:`PRESENT_SOURCES` is a *planned* device: hardware probes
         are not run for it, because this machine is not the one being planned for.
     """
 
@@ -114,7 +118,7 @@ class DeviceInfo:
     @property
     def is_planned(self) -> bool:
         """True when this device was named by the user rather than found on this machine."""
-        return self.source not in ("detected", "vllm")
+        return self.source not in PRESENT_SOURCES
 
     @property
     def label(self) -> str:

@@ -337,7 +337,7 @@ def _table_reasons(
         tile = table.prefill_topk_tile
         # Decode calls can be bounded by the engine's settings; that is the fix to name.
         bound_fix = (f"; decode calls of <= {limit} tokens would fit (mla-sm120 check --max-decode-tokens {limit}; "
-                     f"vLLM: --max-num-seqs x (1 + speculative tokens) <= {limit})") if phase == "decode" else ""
+                     f"vLLM --max-num-seqs / SGLang --max-running-requests, x (1 + speculative tokens))") if phase == "decode" else ""
         if topk % tile:
             reasons.append(
                 f"topk={topk} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "

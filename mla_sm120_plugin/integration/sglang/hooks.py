@@ -1,0 +1,314 @@
+"""The hooks on SGLang 0.5.23 that serve DSA models with the plugin's kernels, and what they read.
+
+Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.sglang.enabled`):
+
+- ``_dsa_split_backend_resolution`` (AROUND, launcher, before any weight loads): builds one
+  :class:`~mla_sm120_plugin.types.SelectionContext` from SGLang's resolved arguments through the
+  shared context builder, decides (a refusal stops start-up with given / supported / fix), exports
+  the context for the schedulers and routes both DSA phases to SGLang's ``flashinfer_sparse_mla``
+  call site, which the next hooks serve.
+- ``_validate_flashinfer_sparse_mla_backend`` (AROUND, each scheduler, in the DSA backend's
+  constructor): replaces SGLang's GLM-only check with the launcher's decision, binds the kernels,
+  self-checks them and logs one line per process.
+- ``flashinfer_sparse_mla_forward`` (AROUND): runs the bound kernel of the current phase on
+  SGLang's cache (``[slots, 1, 656]`` fp8 bytes or ``[slots, 1, 576]`` bf16) with SGLang's
+  top-k slots and lengths.
+- ``DeepseekSparseAttnBackend.forward_decode`` / ``forward_extend`` (AROUND): say which phase a
+  call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
+
+No servability rule lives here: the adapter translates, the matrix decides.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...context import EngineLimits, build_context, context_from_json, context_to_json, plugin_config
+from ...device import from_capability
+from ...errors import KernelInputError, PluginError, UnsupportedConfiguration, format_error
+from ...hooks.manager import get_registry
+from ...kernels.layout import FP8_DS_MLA, FP8_DS_MLA_TOKEN_BYTES, HEAD_DIM, SCALE_ARBITRARY
+from ...modelinfo import facts_from_hf_config
+from ...selection import DECODE_TOKENS_MAX, select
+from ...types import DECODE, PREFILL, Decision, SelectionContext
+from . import BUILT_FOR, ENABLE_ENV, FLAG, INLINE_CONFIG_ENV, enabled
+
+logger = logging.getLogger("mla_sm120_plugin")
+
+CONTEXT_ENV = "MLA_SM120_SGLANG_CONTEXT"  # the launcher's decision context, for the schedulers
+# SGLang's name for the call site the plugin serves: both DSA phases are routed to it.
+ROUTE = "flashinfer_sparse_mla"
+
+RESOLUTION = "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution"
+VALIDATOR = "sglang.kernels.ops.attention.flash_mla_sm120._validate_flashinfer_sparse_mla_backend"
+CALL = "sglang.kernels.ops.attention.flash_mla_sm120.flashinfer_sparse_mla_forward"
+DECODE_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
+EXTEND_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"
+
+_phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
+_registered: dict[str, bool] = {}
+_bound: dict[str, Any] = {}  # "state": this process's BoundState
+
+
+# ------------------------------------------------------------------------------- context
+
+
+def _engine_features(view: Any, hf_config: Any) -> frozenset[str]:
+    """SGLang settings that change how the cache is written or top-k ids are read."""
+    features = set()
+    if getattr(view, "enable_hisparse", False):
+        features.add("hisparse")
+    if (getattr(view, "dcp_size", 1) or 1) > 1:
+        features.add("dcp")
+    if (getattr(hf_config, "index_kpool", 1) or 1) != 1 or getattr(hf_config, "index_kpool_compress", False):
+        features.add("index_kpool")
+    if any(os.environ.get(f"SGLANG_SKIP_SOFTMAX_{phase}_THRESHOLD_SCALE_FACTOR") for phase in ("PREFILL", "DECODE")):
+        features.add("skip_softmax")
+    return frozenset(features)
+
+
+def engine_limits(view: Any, hf_config: Any) -> EngineLimits:
+    """SGLang's parallelism, batching and cache settings, as the selection needs them."""
+    tp = int(getattr(view, "tp_size", 1) or 1)
+    # Attention heads split over the attention-TP group: TP divided by attention DP and CP.
+    attn_tp = max(1, tp // max(1, int(getattr(view, "attn_dp_size", 1) or 1))
+                  // max(1, int(getattr(view, "attn_cp_size", 1) or 1)))
+    running = getattr(view, "max_running_requests", None)
+    per_request = int(getattr(view, "speculative_num_draft_tokens", None) or 1)
+    chunk = getattr(view, "chunked_prefill_size", None)
+    return EngineLimits(
+        tensor_parallel_size=attn_tp,
+        # Unknown until SGLang sizes its pools: unbounded then (the stricter assumption).
+        max_decode_tokens=int(running) * per_request if running else None,
+        max_prefill_tokens=int(chunk) if chunk and chunk > 0 else None,
+        cuda_graphs=not getattr(view, "disable_cuda_graph", False),
+        features=_engine_features(view, hf_config),
+        engine="sglang",
+        scale_format=SCALE_ARBITRARY,  # SGLang's DSA cache writer stores amax/448 for every model
+    )
+
+
+def context_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -> SelectionContext:
+    """The selection context for SGLang's resolved arguments on a GPU of ``capability``.
+
+    ``--dsa-prefill-backend`` / ``--dsa-decode-backend`` are read as forced kernels: the plugin's
+    kernel names are SGLang's (``flashinfer_sparse_mla``, ``triton_sparse_mla``); another engine
+    impl (``flashmla_kv``) gets the "cannot run here, these can" refusal.
+    """
+    reg = get_registry()
+    facts = facts_from_hf_config(hf_config, name=str(getattr(view, "served_model_name", None) or view.model_path),
+                                 registry=reg)
+    inline: dict[str, Any] = json.loads(os.environ.get(INLINE_CONFIG_ENV) or "{}")
+    for key, field in (("prefill_kernel", "dsa_prefill_backend"), ("decode_kernel", "dsa_decode_backend")):
+        if getattr(view, field, None):
+            inline[key] = getattr(view, field)
+    settings = plugin_config(inline or None, kernel_names=reg.kernels,
+                             inline_label=f"{FLAG}-config / --dsa-*-backend").for_model(facts.name, facts.arch)
+    device = from_capability(*capability, source="sglang")
+    return build_context(facts, settings, device, getattr(view, "kv_cache_dtype", None), engine_limits(view, hf_config))
+
+
+# ------------------------------------------------------------------------------- hooks
+
+
+def around_resolution(original_fn: Callable[..., dict], view: Any, *args: Any, **kwargs: Any) -> dict:
+    """AROUND ``_dsa_split_backend_resolution``: decide in the launcher, before any weight loads."""
+    if not enabled():
+        return original_fn(view, *args, **kwargs)
+    _require_hooks()
+    import torch
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    routed = getattr(view, "dsa_prefill_backend", None) == ROUTE == getattr(view, "dsa_decode_backend", None)
+    if routed and os.environ.get(CONTEXT_ENV):
+        # A re-run on the record already resolved (SGLang re-validates it on restart and in its
+        # children): the decision is in the environment and the view shows our own routing.
+        return {}
+    hf_config = model_config_of(view).hf_config
+    ctx = context_from_sglang(view, hf_config, tuple(torch.cuda.get_device_capability()))
+    decision = select(ctx)  # UnsupportedConfiguration stops SGLang's start-up here
+    os.environ[CONTEXT_ENV] = context_to_json(ctx)
+    logger.warning("%s", decision.log_line())
+    return {"dsa_prefill_backend": ROUTE, "dsa_decode_backend": ROUTE}
+
+
+def around_validator(original_fn: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
+    """AROUND SGLang's SM120 validator: the launcher's decision replaces its GLM-only rule."""
+    if not enabled():
+        return original_fn(*args, **kwargs)
+    bound_state()
+    return True  # SGLang allocates its FlashInfer workspace and routes to the call site
+
+
+def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices: Any, seq_lens: Any,
+                workspace_buffer: Any = None, **kwargs: Any) -> Any:
+    """AROUND ``flashinfer_sparse_mla_forward``: the bound kernel of the current phase.
+
+    q: [T, H, 576] bfloat16; kv_cache: [slots, 1, 656] float8_e4m3fn bytes or [slots, 1, 576]
+    bfloat16; indices: [T, topk] int32 global slots, -1 padded; seq_lens: [T] int32 valid top-k
+    entries a row. Returns [T, H, 512] bfloat16.
+    """
+    if not enabled():
+        return original_fn(q, kv_cache, indices, seq_lens, workspace_buffer, **kwargs)
+    if kwargs.get("skip_softmax_threshold_scale_factor") is not None:
+        raise KernelInputError(format_error(
+            f"skip_softmax_threshold_scale_factor={kwargs['skip_softmax_threshold_scale_factor']!r}",
+            "None: the plugin's kernels compute full softmax",
+            "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR"))
+    state = bound_state()
+    phase = _phase.get() or (DECODE if q.shape[0] <= DECODE_TOKENS_MAX else PREFILL)
+    return state.kernels[phase].call(q, state.rows(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
+                                     kv_layout=state.kv_layout, topk_length=seq_lens,
+                                     scale_format=state.scale_format)
+
+
+def _in_phase(phase: str, original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    token = _phase.set(phase)
+    try:
+        return original_fn(*args, **kwargs)
+    finally:
+        _phase.reset(token)
+
+
+def around_forward_decode(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``DeepseekSparseAttnBackend.forward_decode``: calls inside are decode."""
+    return _in_phase(DECODE, original_fn, *args, **kwargs)
+
+
+def around_forward_extend(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``forward_extend``: prefill, except target-verify and draft-extend (decode, as in SGLang)."""
+    batch = kwargs.get("forward_batch", args[5] if len(args) > 5 else None)
+    mode = getattr(batch, "forward_mode", None)
+    as_decode = mode is not None and (mode.is_target_verify() or mode.is_draft_extend_v2())
+    return _in_phase(DECODE if as_decode else PREFILL, original_fn, *args, **kwargs)
+
+
+HOOKS: dict[str, Callable[..., Any]] = {
+    RESOLUTION: around_resolution,
+    VALIDATOR: around_validator,
+    CALL: around_call,
+    DECODE_ENTRY: around_forward_decode,
+    EXTEND_ENTRY: around_forward_extend,
+}
+
+
+def register_engine_hooks(*, apply_now: bool = False) -> list[str]:
+    """Register the hooks above with SGLang's registry (once a process).
+
+    :param apply_now: apply them at once (the flag is parsed after ``load_plugins()`` applied
+        what was registered then) and check each one took.
+    :returns: the targets that are not hooked (empty when ``apply_now`` is False).
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not _registered:
+        for target, hook in HOOKS.items():
+            HookRegistry.register(target, hook, HookType.AROUND)
+        _registered["done"] = True
+    if not apply_now:
+        return []
+    HookRegistry.apply_hooks()
+    return missing_hooks()
+
+
+def _hooked(target: str, hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is somewhere in the wrapper chain SGLang installed at ``target``."""
+    try:
+        fn = pkgutil.resolve_name(target)
+    except Exception:
+        return False
+    seen = 0
+    while fn is not None and seen < 32:  # SGLang's wrappers keep the inner function as __wrapped__
+        cells = getattr(fn, "__closure__", None) or ()
+        if any(getattr(cell, "cell_contents", None) is hook for cell in cells):
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
+
+
+def missing_hooks() -> list[str]:
+    """Targets where the plugin's hook is not installed (SGLang logs and swallows hook failures)."""
+    return [target for target, hook in HOOKS.items() if not _hooked(target, hook)]
+
+
+def missing_hooks_message(missing: list[str]) -> str:
+    from importlib.metadata import version
+
+    return format_error(
+        f"{FLAG} is on but SGLang did not apply the plugin's hooks on {', '.join(missing)} (sglang {version('sglang')})",
+        f"sglang {BUILT_FOR}, the release the hooks were written for",
+        f"install sglang=={BUILT_FOR} (pip install 'mla-sm120-plugin[sglang]'), or serve without {FLAG}",
+    )
+
+
+def _require_hooks() -> None:
+    missing = missing_hooks()
+    if missing:
+        raise PluginError(missing_hooks_message(missing))
+
+
+# ------------------------------------------------------------------------ bound kernels
+
+
+@dataclass(frozen=True)
+class BoundState:
+    """This process's decision, its bound kernels (after the self-check) and how to view the cache."""
+
+    decision: Decision
+    kernels: dict[str, Any]
+    kv_layout: str
+    scale_format: str
+
+    def rows(self, kv_cache: Any) -> Any:
+        """SGLang's ``[slots, 1, C]`` pool buffer as the flat ``[slots, C]`` rows the kernels index."""
+        import torch
+
+        if self.kv_layout == FP8_DS_MLA:
+            return kv_cache.view(torch.uint8).reshape(-1, FP8_DS_MLA_TOKEN_BYTES)
+        return kv_cache.reshape(-1, HEAD_DIM)
+
+
+def bound_state() -> BoundState:
+    """Decide from the launcher's context, bind, self-check and log, once per process.
+
+    :raises UnsupportedConfiguration: no context reached this process, the decision refuses here,
+        or every kernel for a phase failed its self-check.
+    """
+    if "state" in _bound:
+        return _bound["state"]
+    _require_hooks()
+    text = os.environ.get(CONTEXT_ENV)
+    if not text:
+        raise UnsupportedConfiguration(format_error(
+            f"{ENABLE_ENV} is on in this process but the launcher's decision ({CONTEXT_ENV}) did not reach it",
+            "SGLang's launcher resolving the DSA backends with the plugin enabled",
+            f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
+    import torch
+
+    from ...kernels import selfcheck
+    from ...kernels.binding import bind
+
+    ctx = context_from_json(text)
+    decision = select(ctx)
+    kernels = {phase: bind(decision.kernels[phase]) for phase in (DECODE, PREFILL)}
+    mode = selfcheck.mode()
+    if mode == "off":
+        line = f"mla_sm120: self-check skipped ({selfcheck.ENV}=off)"
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        kernels, line = selfcheck.verify(decision, kernels, q_dtype="bf16", device=device, strict=mode == "strict")
+    logger.info("%s", decision.log_line())
+    logger.info("%s", line)
+    _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)
+    return _bound["state"]
+
+
+def reset_for_tests() -> None:
+    """Forget this process's bound state (tests; SGLang binds once a process)."""
+    _bound.clear()

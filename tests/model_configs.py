@@ -1,0 +1,37 @@
+"""Tiny HF configs (no weights) of the DSA models, saved as a user's model directory would hold them.
+
+Shared by the engine suites (vLLM and SGLang each build their own config objects from the files).
+"""
+
+from __future__ import annotations
+
+import os
+
+TINY = dict(
+    vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64,
+    index_n_heads=4, index_head_dim=128, max_position_embeddings=4096,
+)
+
+
+def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = None) -> str:
+    """Save a tiny HF config (no weights) of ``kind`` ("glm", "dsv32", "llama") and return its directory."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig, LlamaConfig
+
+    if kind == "glm":
+        cfg = GlmMoeDsaConfig(num_attention_heads=heads or 64, qk_nope_head_dim=192, v_head_dim=256,
+                              num_key_value_heads=heads or 64, index_topk=index_topk, **TINY)
+        cfg.architectures = ["GlmMoeDsaForCausalLM"]
+    elif kind == "dsv32":
+        cfg = DeepseekV32Config(num_attention_heads=heads or 128, qk_nope_head_dim=128, v_head_dim=128,
+                                num_key_value_heads=heads or 128, index_topk=index_topk, **TINY)
+        cfg.architectures = ["DeepseekV32ForCausalLM"]
+    else:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
+        cfg.architectures = ["LlamaForCausalLM"]
+    cfg.dtype = "bfloat16"
+    path = os.path.join(str(root), f"{kind}_topk{index_topk}_h{heads}")
+    cfg.save_pretrained(path)
+    return path

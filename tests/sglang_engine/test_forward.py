@@ -1,0 +1,183 @@
+"""The plugin's kernels through SGLang's real DSA call site, on caches SGLang's own writer packed.
+
+SGLang's ``DeepseekSparseAttnBackend._forward_flashinfer_sparse_mla`` is called unbound with the
+attributes it reads (its constructor needs a GPU model runner); the cache comes from SGLang's
+``quantize_k_cache`` (fp8: amax/448 scales) or is SGLang's bf16 pool layout; the indices from its
+``transform_index_page_table_decode``; the phase from the hooked ``forward_decode`` /
+``forward_extend`` entry points with SGLang's own ``ForwardMode``.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from helpers import assert_kernel_close
+from model_configs import write_model
+from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache
+from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
+from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache
+from sglang.srt.arg_groups import overrides
+from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.server_args import ServerArgs
+
+from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
+from mla_sm120_plugin.integration import sglang as plugin
+from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.triton import triton_sparse_mla
+
+HEADS, TOPK, PAGES, SEQ = 16, 64, 4, 200  # 256 slots; every request sees 200 tokens
+
+
+def _decide(tmp_path, capability, monkeypatch, kv: str) -> None:
+    """The launcher's decision: Triton decodes, the reference prefills (eager, so it may)."""
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
+    sa = ServerArgs(model_path=write_model(tmp_path, "glm", heads=HEADS), skip_tokenizer_init=True,
+                    kv_cache_dtype=kv, disable_cuda_graph=True)
+    overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
+
+
+def _sglang_cache(kv: str, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """SGLang's pool buffer for one layer: [slots, 1, 656] fp8 bytes or [slots, 1, 576] bf16."""
+    k = (torch.randn(PAGES, layout.PAGE_SIZE, 1, layout.HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
+    if kv == "fp8_e4m3":
+        packed = quantize_k_cache(k)  # SGLang's own writer
+        return packed.view(-1, 1, layout.FP8_DS_MLA_TOKEN_BYTES), layout.FP8_DS_MLA_TOKEN_BYTES
+    return k.view(-1, 1, layout.HEAD_DIM), layout.HEAD_DIM
+
+
+def _sglang_slots(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k positions per token (valid prefix, -1 after, one out-of-range) through SGLang's transform."""
+    page_table = torch.stack([torch.randperm(PAGES * layout.PAGE_SIZE, generator=gen)[:SEQ]
+                              for _ in range(num_tokens)]).to(torch.int32)  # [T, SEQ] position -> slot
+    lengths = torch.randint(1, TOPK + 1, (num_tokens,), generator=gen, dtype=torch.int32)
+    lengths[0] = TOPK
+    topk = torch.full((num_tokens, TOPK), -1, dtype=torch.int32)
+    for t in range(num_tokens):
+        topk[t, : lengths[t]] = torch.randperm(SEQ, generator=gen)[: lengths[t]].to(torch.int32)
+    slots = transform_index_page_table_decode(page_table, topk, page_size=1)
+    return slots, lengths
+
+
+def _dense_reference(q, cache, kv, slots, lengths, sm_scale) -> torch.Tensor:
+    """Attention in float64 over the slots each row selects, on SGLang's own dequantization of its cache."""
+    keys = (dequantize_k_cache(cache) if kv == "fp8_e4m3" else cache).view(-1, layout.HEAD_DIM).double()
+    out = torch.zeros(q.shape[0], q.shape[1], layout.KV_LORA_RANK, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        row = slots[t, : lengths[t]].long()
+        row = row[(row >= 0) & (row < keys.shape[0])]
+        k = keys[row]  # [n, 576]
+        p = torch.softmax(q[t].double() @ k.T * sm_scale, dim=-1)
+        out[t] = p @ k[:, : layout.KV_LORA_RANK]
+    return out
+
+
+def _through_sglang(phase_entry, mode, q, cache, dim, slots, lengths, sm_scale):
+    backend = types.SimpleNamespace(  # the attributes SGLang's call site reads from its backend
+        workspace_buffer=torch.empty(0, dtype=torch.uint8), physical_page_size=layout.PAGE_SIZE, kv_cache_dim=dim,
+        qk_nope_head_dim=192, kv_lora_rank=layout.KV_LORA_RANK, qk_rope_head_dim=layout.ROPE_DIM)
+
+    def sglang_forward(*_args, **_kwargs):
+        return DeepseekSparseAttnBackend._forward_flashinfer_sparse_mla(
+            backend, q_all=q, kv_cache=cache, page_table_1=slots, seq_lens=lengths, sm_scale=sm_scale,
+            skip_softmax_threshold_scale_factor=None)
+
+    batch = types.SimpleNamespace(forward_mode=mode)
+    # forward_* (self, q, k, v, layer, forward_batch): the hook reads the batch's mode.
+    return phase_entry(sglang_forward, None, q, None, None, None, batch)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("entry, mode, kernel", [
+    ("forward_decode", ForwardMode.DECODE, TRITON),
+    ("forward_extend", ForwardMode.TARGET_VERIFY, TRITON),  # speculative verify counts as decode
+    ("forward_extend", ForwardMode.EXTEND, TORCH),
+])
+def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, entry, mode, kernel):
+    _decide(tmp_path, capability, monkeypatch, kv)
+    gen = torch.Generator().manual_seed(7)
+    cache, dim = _sglang_cache(kv, gen)
+    num_tokens = 5
+    q = torch.randn(num_tokens, HEADS, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    slots, lengths = _sglang_slots(num_tokens, gen)
+    slots[1, 0] = PAGES * layout.PAGE_SIZE + 5  # out of range: masked, never read
+    sm_scale = 1 / math.sqrt(layout.HEAD_DIM)
+    phase_entry = getattr(hooks, f"around_{entry}")
+    out = _through_sglang(phase_entry, mode, q, cache, dim, slots, lengths, sm_scale)
+    kv_layout = layout.FP8_DS_MLA if kv == "fp8_e4m3" else layout.BF16
+    rows = cache.view(torch.uint8).view(-1, dim) if kv == "fp8_e4m3" else cache.view(-1, dim)
+    ref = torch_sparse_mla(q, rows, slots, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=lengths)
+    assert out.shape == (num_tokens, HEADS, layout.KV_LORA_RANK) and out.dtype == torch.bfloat16
+    assert_kernel_close(out, ref)
+    # Against attention computed independently on SGLang's own dequantization. The difference is
+    # the bf16 output's rounding (up to 2**-7 of a value where Triton's interpreter truncates) plus
+    # SGLang's dequantization to bf16 (the kernels dequantize to fp32): measured 2.7e-3 to 7.9e-3.
+    dense = _dense_reference(q, cache, kv, slots, lengths, sm_scale)
+    err = ((out.double() - dense).abs().max() / dense.abs().max()).item()
+    print(f"\nmax |out - dense| / max |dense|, {kv} {mode.name} ({kernel}): {err:.2e}")
+    assert err < 1e-2
+    # The phase reached the kernel the decision bound for it: bit for bit that kernel's answer.
+    direct = (triton_sparse_mla if kernel == TRITON else torch_sparse_mla)(
+        q, rows, slots, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=lengths)
+    assert torch.equal(out, direct)
+
+
+def test_validator_takes_the_launchers_decision(tmp_path, capability, monkeypatch):
+    from sglang.kernels.ops.attention import flash_mla_sm120
+
+    _decide(tmp_path, capability, monkeypatch, "bfloat16")
+    args = dict(model_arch="DeepseekV32ForCausalLM", device_sm_major=12, kv_cache_dtype=torch.bfloat16,
+                prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE)
+    # SGLang alone refuses what the plugin serves (it knows GLM + fp8 only) ...
+    with pytest.raises(ValueError, match="supports only GLM DSA with FP8"):
+        flash_mla_sm120._validate_flashinfer_sparse_mla_backend.__wrapped__(**args)
+    # ... with the plugin, the launcher's decision stands, and the kernels are bound and checked.
+    assert flash_mla_sm120._validate_flashinfer_sparse_mla_backend(**args) is True
+    state = hooks.bound_state()
+    assert (state.kernels["prefill"].name, state.kernels["decode"].name) == (TORCH, TRITON)
+
+
+def test_validator_without_a_launcher_decision_says_how_to_start(monkeypatch):
+    from sglang.kernels.ops.attention import flash_mla_sm120
+
+    with pytest.raises(UnsupportedConfiguration, match="did not reach it"):
+        flash_mla_sm120._validate_flashinfer_sparse_mla_backend(
+            model_arch="GlmMoeDsaForCausalLM", device_sm_major=12, kv_cache_dtype=torch.float8_e4m3fn,
+            prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE)
+
+
+def test_skip_softmax_at_the_call_is_refused(tmp_path, capability, monkeypatch):
+    from sglang.kernels.ops.attention import flash_mla_sm120
+
+    _decide(tmp_path, capability, monkeypatch, "bfloat16")
+    q = torch.zeros(1, HEADS, layout.HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="skip_softmax_threshold_scale_factor=0.5"):
+        flash_mla_sm120.flashinfer_sparse_mla_forward(
+            q, torch.zeros(64, 1, layout.HEAD_DIM, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), None, page_size=64, kv_cache_dim=576, qk_nope_head_dim=192,
+            kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1, skip_softmax_threshold_scale_factor=0.5)
+
+
+def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
+    from sglang.kernels.ops.attention import flash_mla_sm120
+
+    monkeypatch.delenv(plugin.ENABLE_ENV)
+    q = torch.zeros(1, HEADS, layout.HEAD_DIM, dtype=torch.bfloat16)
+    # SGLang's own body runs: it reaches FlashInfer's trtllm entry, which needs a GPU here.
+    with pytest.raises(Exception) as err:
+        flash_mla_sm120.flashinfer_sparse_mla_forward(
+            q, torch.zeros(64, 1, 656, dtype=torch.uint8), torch.zeros(1, 8, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), torch.zeros(16, dtype=torch.uint8), page_size=64, kv_cache_dim=656,
+            qk_nope_head_dim=192, kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1,
+            skip_softmax_threshold_scale_factor=None)
+    assert "mla_sm120" not in str(err.value)
+    assert any("flashinfer" in (frame.filename or "") for frame in __import__("traceback").extract_tb(err.tb)), \
+        "SGLang's own call did not reach FlashInfer"

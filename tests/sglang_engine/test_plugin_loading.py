@@ -1,0 +1,80 @@
+"""Discovery through SGLang's own loader, the opt-in flag on SGLang's own parser, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from mla_sm120_plugin.integration import sglang as plugin
+from mla_sm120_plugin.integration.sglang import hooks
+
+HOOKS_BY_PLUGIN = """
+import json
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+ours = sorted(t for t, hs in HookRegistry._hooks.items() for _, _, src in hs if src and src.plugin_name == "mla_sm120")
+from mla_sm120_plugin.integration.sglang import hooks
+print(json.dumps({"targets": ours, "missing": hooks.missing_hooks()}))
+"""
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MLA_SM120_") and k != "SGLANG_PLUGINS"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=600)
+
+
+def _last_json(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_installed_not_enabled_adds_only_its_flags():
+    out = _last_json(_run(HOOKS_BY_PLUGIN))
+    assert out["targets"] == [plugin.ADD_CLI_ARGS]
+    assert sorted(out["missing"]) == sorted(hooks.HOOKS)  # SGLang's resolution and call site untouched
+
+
+def test_enabled_by_environment_hooks_every_target():
+    out = _last_json(_run(HOOKS_BY_PLUGIN, **{plugin.ENABLE_ENV: "1"}))
+    assert out["targets"] == sorted([plugin.ADD_CLI_ARGS, *hooks.HOOKS])
+    assert out["missing"] == []
+
+
+def test_sglang_plugins_allowlist_leaves_it_out():
+    out = _last_json(_run(HOOKS_BY_PLUGIN, SGLANG_PLUGINS="smg-servicer", **{plugin.ENABLE_ENV: "1"}))
+    assert out["targets"] == []
+
+
+PARSE = """
+import argparse, json, os, sys
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import ServerArgs
+load_plugins()
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(["--model-path", "m"] + sys.argv[1:])
+from mla_sm120_plugin.integration.sglang import hooks
+print(json.dumps({"enabled": os.environ.get("MLA_SM120_SGLANG"), "config": os.environ.get("MLA_SM120_SGLANG_CONFIG"),
+                  "missing": hooks.missing_hooks()}))
+"""
+
+
+def test_flag_on_sglangs_parser_enables_and_hooks_this_process():
+    config = '{"decode_kernel": "triton_sparse_mla"}'
+    out = _last_json(_run(PARSE.replace("sys.argv[1:]", repr([plugin.FLAG, plugin.CONFIG_FLAG, config]))))
+    assert out == {"enabled": "1", "config": config, "missing": []}
+    # Without the flag nothing is hooked and nothing exported.
+    out = _last_json(_run(PARSE.replace("sys.argv[1:]", "[]")))
+    assert out["enabled"] is None and sorted(out["missing"]) == sorted(hooks.HOOKS)
+
+
+def test_config_flag_refuses_what_is_not_a_json_object():
+    done = _run(PARSE.replace("sys.argv[1:]", repr([plugin.FLAG, plugin.CONFIG_FLAG, "[1, 2]"])))
+    assert done.returncode == 2
+    assert "--mla-sm120-config: '[1, 2]' is not a JSON object" in done.stderr
+    done = _run(PARSE.replace("sys.argv[1:]", repr([plugin.CONFIG_FLAG, "{oops"])))
+    assert done.returncode == 2 and "not JSON" in done.stderr

@@ -1,0 +1,145 @@
+"""SGLang's DSA backend resolution with the plugin: decided in the launcher, before any weight loads."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers import run_cli
+from model_configs import write_model
+from sglang.srt.arg_groups import overrides
+from sglang.srt.server_args import ServerArgs
+
+from mla_sm120_plugin.context import context_from_json
+from mla_sm120_plugin.errors import UnsupportedConfiguration
+from mla_sm120_plugin.integration import sglang as plugin
+from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+
+
+
+def SGLANG_ALONE(view):  # noqa: N802 - reads as the name of SGLang's own pass
+    """SGLang's own pass, unwrapped from the hook (installed by the session's load_plugins())."""
+    return overrides._dsa_split_backend_resolution.__wrapped__(view)
+
+
+def _server_args(model_dir: str, **kw) -> ServerArgs:
+    return ServerArgs(model_path=model_dir, skip_tokenizer_init=True, **kw)
+
+
+def _resolve(model_dir: str, **kw) -> tuple[str, str]:
+    """Run the pass as SGLang's launcher does; the DSA backends the resolved arguments name."""
+    sa = _server_args(model_dir, **kw)
+    overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
+    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
+    return view.dsa_prefill_backend, view.dsa_decode_backend
+
+
+def _alone(model_dir: str, **kw) -> dict:
+    sa = _server_args(model_dir, **kw)
+    return SGLANG_ALONE(overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa)))
+
+
+def test_sglangs_call_site_runs_the_hooked_pass():
+    from sglang.srt.arg_groups import model_hook
+
+    assert model_hook._dsa_split_backend_resolution is overrides._dsa_split_backend_resolution
+    assert hooks.missing_hooks() == []
+
+
+@pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
+def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog, monkeypatch, cap):
+    capability(*cap)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    caplog.set_level(logging.WARNING, logger="mla_sm120_plugin")
+    assert _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mla_sm120: model=")]
+    # No GPU here: FlashInfer's probe rejects it and Triton (interpreter) serves both phases.
+    assert f"prefill={TRITON} decode={TRITON}" in line and f"sm_{cap[0]}{cap[1]}" in line
+    assert f"{FLASHINFER}/decode: no CUDA GPU" in line
+    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    assert (ctx.kv_cache_dtype, ctx.num_heads, ctx.kv_scale_format, ctx.device.source) == (
+        "fp8_ds_mla", 64, "arbitrary", "sglang")
+
+
+def test_sm90_is_refused_with_the_text_check_prints(tmp_path, capability):
+    capability(9, 0)
+    model = write_model(tmp_path, "glm")
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _resolve(model, kv_cache_dtype="fp8_e4m3")
+    res = run_cli("check", "--model", model, "--sm", "9.0", "--kv-cache-dtype", "fp8_ds_mla")
+    assert res.returncode == 2
+    cli_message = res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")
+    assert cli_message.splitlines()[1:] == str(err.value).splitlines()[1:]
+    assert "device sm_90: this plugin serves SM12x only" in cli_message
+
+
+def test_the_seeds_flashmla_kv_is_refused_before_weights_and_served_without_it(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = write_model(tmp_path, "glm")
+    # SGLang alone accepts it here and refuses only when the DSA backend is built, after weights.
+    assert _alone(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv") == {
+        "dsa_prefill_backend": FLASHINFER}
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _resolve(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv")
+    msg = str(err.value)
+    assert "flashmla_kv is another engine's impl" in msg and f"decode can run: {TRITON}" in msg
+    assert _resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+
+
+def test_deepseek_v32_on_sm120_is_served(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = write_model(tmp_path, "dsv32")
+    # SGLang alone sends it to trtllm on SM120: a kernel that does not run on SM12x.
+    assert _alone(model, kv_cache_dtype="fp8_e4m3") == {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"}
+    assert _resolve(model, kv_cache_dtype="fp8_e4m3", tp_size=8) == (hooks.ROUTE, hooks.ROUTE)
+    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    # SGLang writes amax/448 scales for every model: the engine's fact beats the profile's pow2.
+    assert (ctx.model_arch, ctx.num_heads, ctx.kv_scale_format) == ("DeepseekV32ForCausalLM", 16, "arbitrary")
+
+
+def test_bf16_cache_and_forced_kernels(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = write_model(tmp_path, "glm", index_topk=1000)  # any top-k
+    assert _resolve(model, kv_cache_dtype="bfloat16") == (hooks.ROUTE, hooks.ROUTE)
+    # The plugin's settings through --mla-sm120-config; SGLang's own flag names the kernel too.
+    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}"}}')
+    monkeypatch.delenv(hooks.CONTEXT_ENV)
+    assert _resolve(model, kv_cache_dtype="bfloat16", dsa_decode_backend=TRITON) == (hooks.ROUTE, hooks.ROUTE)
+    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    assert (ctx.prefill_kernel, ctx.decode_kernel, ctx.kv_cache_dtype, ctx.index_topk) == (TORCH, TRITON, "bf16", 1000)
+
+
+@pytest.mark.parametrize("setting, needle", [
+    (dict(enable_hisparse=True), "hisparse is on"),
+    (dict(dcp_size=2), "dcp is on"),
+])
+def test_what_the_kernels_cannot_read_is_refused(tmp_path, capability, monkeypatch, setting, needle):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UnsupportedConfiguration, match=needle):
+        _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3", **setting)
+
+
+def test_skip_softmax_is_refused(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("SGLANG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR", "0.5")
+    with pytest.raises(UnsupportedConfiguration, match="skip_softmax is on"):
+        _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("kind, kw", [("glm", dict(kv_cache_dtype="fp8_e4m3")), ("dsv32", dict(kv_cache_dtype="fp8_e4m3")),
+                                      ("glm", dict(kv_cache_dtype="bfloat16")),
+                                      ("glm", dict(kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv"))])
+@pytest.mark.parametrize("cap", [(12, 0), (9, 0)])
+def test_without_the_opt_in_resolution_is_sglangs(tmp_path, capability, monkeypatch, kind, kw, cap):
+    capability(*cap)
+    monkeypatch.delenv(plugin.ENABLE_ENV)
+    model = write_model(tmp_path, kind)
+    sa = _server_args(model, **kw)
+    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
+    assert overrides._dsa_split_backend_resolution(view) == SGLANG_ALONE(view)
+    assert hooks.CONTEXT_ENV not in __import__("os").environ
