@@ -56,6 +56,7 @@ def _check(args: argparse.Namespace) -> int:
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
+        engine=args.engine,
     )
     ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), args.kv_cache_dtype,
                         limits)
@@ -108,7 +109,8 @@ def doctor_report() -> dict[str, Any]:
     dev = device_mod.detect(use_torch=True)
     report: dict[str, Any] = {
         "python": platform.python_version(),
-        "packages": {d: _version(d) for d in ("mla-sm120-plugin", "torch", "triton", "flashinfer-python", "vllm", "pluggy")},
+        "packages": {d: _version(d) for d in ("mla-sm120-plugin", "torch", "triton", "flashinfer-python", "vllm",
+                                              "sglang", "pluggy")},
         "device": {
             "vendor": dev.vendor, "sm": dev.sm, "name": dev.name, "cuda_version": dev.cuda_version, "source": dev.source,
         },
@@ -314,6 +316,8 @@ def _own_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .context import ENGINES
+
     parser = argparse.ArgumentParser(prog="mla-sm120", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mla-sm120 {_own_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -322,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
     check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
     check.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (divides the heads)")
-    check.add_argument("--kv-cache-dtype", default="fp8_ds_mla", help="fp8_ds_mla (default), bf16/auto, or what you pass vLLM")
+    check.add_argument("--engine", choices=ENGINES, default="vllm",
+                       help="the engine you will serve with: its --kv-cache-dtype spellings and how its cache "
+                            "writer stores fp8 scales (SGLang: amax/448 for every model) (default vllm)")
+    check.add_argument("--kv-cache-dtype", default="fp8_ds_mla",
+                       help="fp8_ds_mla (default), bf16/auto, or what you pass the engine (SGLang: fp8_e4m3)")
     check.add_argument("--prefill-kernel", help="force a prefill kernel (auto or a kernel name)")
     check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
     check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from . import config as config_mod
 from .errors import ConfigError, format_error
-from .kernels.layout import BF16, FP8_DS_MLA
+from .kernels.layout import BF16, FP8_DS_MLA, SCALE_ARBITRARY
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
 
@@ -41,6 +41,10 @@ KV_DTYPE_ALIASES: Mapping[str, Mapping[str, str]] = {
 }
 ENGINES = tuple(KV_DTYPE_ALIASES)
 
+# How each engine's cache writer stores fp8 scales, where that is the engine's fact rather than
+# the model's: SGLang writes amax/448 for every model; vLLM follows the model (None).
+ENGINE_SCALE_FORMATS: Mapping[str, str | None] = {"vllm": None, "sglang": SCALE_ARBITRARY}
+
 
 def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm") -> str:
     """The cache layout for an engine's ``--kv-cache-dtype`` value (None: the engine default)."""
@@ -63,8 +67,8 @@ class EngineLimits:
         (``"hisparse"``, ``"dcp"``); see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`.
     :param engine: whose spellings ``kv_cache_dtype`` uses (a key of :data:`KV_DTYPE_ALIASES`).
     :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
-        fact rather than the model's (SGLang writes amax/448 for every model); None: the model's.
-        An explicit ``kv_scale_format`` in the plugin config still wins.
+        fact rather than the model's; None: the engine's entry in :data:`ENGINE_SCALE_FORMATS`
+        (None there too: the model's). An explicit ``kv_scale_format`` in the plugin config wins.
     """
 
     tensor_parallel_size: int = 1
@@ -87,6 +91,8 @@ class EngineLimits:
         if self.engine not in KV_DTYPE_ALIASES:
             raise ConfigError(format_error(f"engine={self.engine!r}", f"one of {list(KV_DTYPE_ALIASES)}",
                                            "pass the engine the context is built for"))
+        if self.scale_format is None:
+            object.__setattr__(self, "scale_format", ENGINE_SCALE_FORMATS[self.engine])
 
 
 def build_context(

@@ -68,7 +68,8 @@ def kv_dtype_fix(kv: str) -> str:
     if kv.startswith("fp8"):
         # vLLM canonicalises fp8 -> fp8_ds_mla only for its own backends, by name.
         return (f"pass --kv-cache-dtype {FP8_DS_MLA} (the 656-byte DSA layout); plain {kv} is not rewritten "
-                "for a plugin backend")
+                "for a plugin backend (SGLang's fp8_e4m3 is that layout: plan for it with mla-sm120 check "
+                "--engine sglang)")
     return f"pass --kv-cache-dtype {FP8_DS_MLA}, or auto/bfloat16 for a bf16 cache"
 
 

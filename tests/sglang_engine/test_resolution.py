@@ -143,3 +143,29 @@ def test_without_the_opt_in_resolution_is_sglangs(tmp_path, capability, monkeypa
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert overrides._dsa_split_backend_resolution(view) == SGLANG_ALONE(view)
     assert hooks.CONTEXT_ENV not in __import__("os").environ
+
+
+def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypatch):
+    from mla_sm120_plugin.context import EngineLimits, build_context, plugin_config
+    from mla_sm120_plugin.device import parse_device
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.modelinfo import resolve_model
+
+    capability(12, 1)
+    model = write_model(tmp_path, "dsv32", index_topk=1024)
+    sa = _server_args(model, kv_cache_dtype="fp8_e4m3", tp_size=8, chunked_prefill_size=4096,
+                      max_running_requests=16, disable_cuda_graph=True)
+    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
+    from_sglang = hooks.context_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1))
+    # What `mla-sm120 check --engine sglang --model <dir> --sm 12.1 --tp 8 --kv-cache-dtype fp8_e4m3
+    # --max-decode-tokens 16 --max-prefill-tokens 4096 --enforce-eager` builds.
+    reg = get_registry()
+    facts = resolve_model(model, registry=reg)
+    from_check = build_context(facts, plugin_config(None, kernel_names=reg.kernels).for_model(facts.name, facts.arch),
+                               parse_device("12.1", source="--sm"), "fp8_e4m3",
+                               EngineLimits(tensor_parallel_size=8, max_decode_tokens=16, max_prefill_tokens=4096,
+                                            cuda_graphs=False, engine="sglang"))
+    differ = {f for f in from_check.__dataclass_fields__ if getattr(from_check, f) != getattr(from_sglang, f)}
+    assert differ == {"device"}, differ  # where the device came from: planned (--sm) or SGLang's GPU
+    assert from_sglang.device.sm == from_check.device.sm == "12.1"
+    assert (from_sglang.kv_scale_format, from_sglang.num_heads, from_sglang.index_topk) == ("arbitrary", 16, 1024)

@@ -335,3 +335,17 @@ def test_cli_header_echoes_tp_and_heads():
     assert "4 heads per rank (tensor parallel 16)" in res.stdout
     assert "--max-decode-tokens 64" in res.stdout  # the setting that lets FlashInfer decode 4 heads
     assert "planned is planned" not in res.stdout
+
+
+def test_cli_engine_sglang_uses_sglangs_spelling_and_scale_format():
+    # SGLang writes amax/448 scales for every model: DeepSeek-V3.2 reads as "arbitrary" there.
+    res = run_cli("check", "--engine", "sglang", "--model", "deepseek-v3.2", "--sm", "12.0",
+                  "--kv-cache-dtype", "fp8_e4m3", "--tp", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert (data["kv_cache_dtype"], data["scale_format"]) == ("fp8_ds_mla", "arbitrary")
+    res = run_cli("check", "--model", "deepseek-v3.2", "--sm", "12.0", "--tp", "8", "--json")
+    assert json.loads(res.stdout)["scale_format"] == "pow2"
+    # vLLM's fp8_e4m3 is a plain fp8 cache: refused, pointing SGLang users at --engine sglang.
+    res = run_cli("check", "--model", "deepseek-v3.2", "--sm", "12.0", "--kv-cache-dtype", "fp8_e4m3")
+    assert res.returncode == 2 and "--engine sglang" in res.stderr

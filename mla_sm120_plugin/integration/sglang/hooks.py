@@ -33,7 +33,7 @@ from ...context import EngineLimits, build_context, context_from_json, context_t
 from ...device import from_capability
 from ...errors import KernelInputError, PluginError, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
-from ...kernels.layout import FP8_DS_MLA, FP8_DS_MLA_TOKEN_BYTES, HEAD_DIM, SCALE_ARBITRARY
+from ...kernels.layout import FP8_DS_MLA, FP8_DS_MLA_TOKEN_BYTES, HEAD_DIM
 from ...modelinfo import facts_from_hf_config
 from ...selection import DECODE_TOKENS_MAX, select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
@@ -89,8 +89,7 @@ def engine_limits(view: Any, hf_config: Any) -> EngineLimits:
         max_prefill_tokens=int(chunk) if chunk and chunk > 0 else None,
         cuda_graphs=not getattr(view, "disable_cuda_graph", False),
         features=_engine_features(view, hf_config),
-        engine="sglang",
-        scale_format=SCALE_ARBITRARY,  # SGLang's DSA cache writer stores amax/448 for every model
+        engine="sglang",  # its kv dtype spellings and its cache writer's scale format
     )
 
 
