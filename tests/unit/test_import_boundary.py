@@ -1,4 +1,4 @@
-"""Importing the package (and the modules vLLM's entry point and the CLI touch) stays light."""
+"""Importing the package (and the modules the engines' entry points and the CLI touch) stays light."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "triton", "flashinfer", "vllm")
+HEAVY = ("torch", "triton", "flashinfer", "vllm", "sglang")
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,9 @@ HEAVY = ("torch", "triton", "flashinfer", "vllm")
         "mla_sm120_plugin.kernels.catalog",
         "mla_sm120_plugin.kernels.flashinfer",
         "mla_sm120_plugin.integration.vllm",
+        "mla_sm120_plugin.integration.sglang",
+        "mla_sm120_plugin.integration.sglang.hooks",
+        "mla_sm120_plugin.context",
     ],
 )
 def test_import_leaves_heavy_modules_out(module):
