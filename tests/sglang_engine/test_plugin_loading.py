@@ -78,3 +78,27 @@ def test_config_flag_refuses_what_is_not_a_json_object():
     assert "--mla-sm120-config: '[1, 2]' is not a JSON object" in done.stderr
     done = _run(PARSE.replace("sys.argv[1:]", repr([plugin.CONFIG_FLAG, "{oops"])))
     assert done.returncode == 2 and "not JSON" in done.stderr
+
+
+def test_register_says_when_sglang_is_not_the_release_it_was_built_for():
+    code = ("import importlib.metadata as md, logging\n"
+            "real = md.version\n"
+            "md.version = lambda name: '0.5.99' if name == 'sglang' else real(name)\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "load_plugins()\n")
+    done = _run(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"mla_sm120: built for sglang {plugin.BUILT_FOR}, running on sglang 0.5.99" in done.stderr
+    assert "built for sglang" not in _run(code.replace("'0.5.99' if name == 'sglang' else ", "")).stderr
+
+
+def test_register_is_idempotent_and_quiet():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    def ours() -> int:
+        return sum(1 for hs in HookRegistry._hooks.values() for _, _, src in hs if src and src.plugin_name == "mla_sm120")
+
+    before = ours()
+    plugin.register()  # SGLang's loader already called it in this process
+    assert ours() == before and "failed" not in plugin._state
