@@ -81,12 +81,13 @@ def _hook_faults(reg: Any) -> list[str]:
     """Run every plugin's validate/select hooks once per model profile (planned SM120, fp8)."""
     from .device import parse_device
     from .errors import PluginError, UnsupportedConfiguration
+    from .kernels.layout import FP8_DS_MLA
     from .selection import select
     from .types import SelectionContext
 
     faults = []
     for profile in reg.profiles.values():
-        ctx = SelectionContext(model_arch=profile.architectures[0], kv_cache_dtype="fp8_ds_mla",
+        ctx = SelectionContext(model_arch=profile.architectures[0], kv_cache_dtype=FP8_DS_MLA,
                                num_heads=profile.num_heads, index_topk=profile.index_topk,
                                device=parse_device("12.0", source="doctor"), cuda_graphs=True)
         try:

@@ -24,20 +24,16 @@ from .types import AUTO, DeviceInfo, SelectionContext
 # through unchanged and the built-in policy refuses them, naming the flag. The same word can mean
 # different bytes: SGLang's "fp8_e4m3" for a DSA model is the 656-byte packed layout, vLLM's is a
 # plain fp8 cache (vLLM calls the packed one "fp8_ds_mla").
+_SHARED_SPELLINGS: Mapping[str, str] = {
+    FP8_DS_MLA: FP8_DS_MLA,
+    BF16: BF16,
+    "bfloat16": BF16,
+    "auto": BF16,  # the engines' default: the model dtype, bf16 for every DSA model
+}
 KV_DTYPE_ALIASES: Mapping[str, Mapping[str, str]] = {
-    "vllm": {
-        FP8_DS_MLA: FP8_DS_MLA,
-        BF16: BF16,
-        "bfloat16": BF16,
-        "auto": BF16,  # vLLM's default: the model dtype, bf16 for every DSA model
-    },
-    "sglang": {
-        "fp8_e4m3": FP8_DS_MLA,  # SGLang's DSA pool packs fp8 latent + fp32 scales + bf16 rope
-        FP8_DS_MLA: FP8_DS_MLA,
-        BF16: BF16,
-        "bfloat16": BF16,
-        "auto": BF16,
-    },
+    "vllm": _SHARED_SPELLINGS,
+    # SGLang's DSA pool packs fp8 latent + fp32 scales + bf16 rope under the name fp8_e4m3.
+    "sglang": {**_SHARED_SPELLINGS, "fp8_e4m3": FP8_DS_MLA},
 }
 ENGINES = tuple(KV_DTYPE_ALIASES)
 

@@ -205,22 +205,13 @@ def _collect(
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit too: a plugin must not end the caller
-            raise PluginError(
-                format_error(
-                    f"plugin {label}, hook {hook_name} raised {type(exc).__name__}: {exc}",
-                    f"a hook that returns an iterable of {item_type.__name__}",
-                    f"fix the plugin, or set {DISABLE_ENV}={impl.plugin_name}",
-                )
-            ) from exc
+            raise _hook_error(label, impl.plugin_name, hook_name, f"raised {type(exc).__name__}: {exc}",
+                              f"a hook that returns an iterable of {item_type.__name__}") from exc
         for item in items:
             if not isinstance(item, item_type):
-                raise PluginError(
-                    format_error(
-                        f"plugin {label}, hook {hook_name} returned {type(item).__name__} {item!r:.80}",
-                        f"{item_type.__module__}.{item_type.__name__} instances",
-                        f"fix the plugin, or set {DISABLE_ENV}={impl.plugin_name}",
-                    )
-                )
+                raise _hook_error(label, impl.plugin_name, hook_name,
+                                  f"returned {type(item).__name__} {item!r:.80}",
+                                  f"{item_type.__module__}.{item_type.__name__} instances")
             out.append((item, label))
     return out
 

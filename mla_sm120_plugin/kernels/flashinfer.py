@@ -302,25 +302,23 @@ def _table_reasons(
     scale_format: str,
 ) -> list[str]:
     """The shape reasons of :func:`envelope_reasons` against one table (the layout is checked once)."""
-    reasons: list[str] = []
     try:
         family = native_format(scale_format).family
     except KernelInputError as error:
-        return [*reasons, str(error)]
+        return [str(error)]
     config = table.decode.get(family)
     if config is None:
         return [
-            *reasons,
             f"scale_format={scale_format!r} runs flashinfer family {family!r}, which {PIP_PACKAGE} "
             f"{table.flashinfer_version} does not have (has {sorted(table.decode)})",
         ]
     if config.d_qk != layout.HEAD_DIM or config.bytes_per_token != layout.FP8_DS_MLA_TOKEN_BYTES:
         return [
-            *reasons,
             f"flashinfer family {family!r} reads d_qk={config.d_qk}, {config.bytes_per_token} B/token, "
             f"not the {layout.HEAD_DIM}-wide {layout.FP8_DS_MLA_TOKEN_BYTES}-byte {layout.FP8_DS_MLA} cache",
         ]
 
+    reasons: list[str] = []
     heads = config.supported_num_heads()
     if num_heads not in heads:
         reasons.append(f"num_heads={num_heads} per GPU: flashinfer {family} serves {heads[0]}..{heads[-1]}")

@@ -247,3 +247,23 @@ def verify(decision: Any, kernels: dict[str, BoundKernel], *, q_dtype: str, devi
             ))
     line = f"mla_sm120: self-check: {'; '.join(parts)}; {time.perf_counter() - start:.2f} s"
     return chosen, line
+
+
+def engine_device() -> torch.device:
+    """Where an engine worker runs the kernels: its current CUDA device, or the CPU without one."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def verify_at_init(decision: Any, kernels: dict[str, BoundKernel]) -> tuple[dict[str, BoundKernel], str]:
+    """What an engine adapter runs when it binds: :func:`verify` on bf16 q on the worker's device,
+    as :data:`ENV` says (``off`` skips it, ``strict`` refuses instead of falling back).
+
+    :returns: phase -> the kernel to run, and the self-check's log line.
+    :raises UnsupportedConfiguration: as :func:`verify`.
+    """
+    check_mode = mode()
+    if check_mode == "off":
+        return kernels, f"mla_sm120: self-check skipped ({ENV}=off)"
+    return verify(decision, kernels, q_dtype="bf16", device=engine_device(), strict=check_mode == "strict")

@@ -288,20 +288,13 @@ def bound_state() -> BoundState:
             f"{ENABLE_ENV} is on in this process but the launcher's decision ({CONTEXT_ENV}) did not reach it",
             "SGLang's launcher resolving the DSA backends with the plugin enabled",
             f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
-    import torch
-
     from ...kernels import selfcheck
     from ...kernels.binding import bind
 
     ctx = context_from_json(text)
     decision = select(ctx)
     kernels = {phase: bind(decision.kernels[phase]) for phase in (DECODE, PREFILL)}
-    mode = selfcheck.mode()
-    if mode == "off":
-        line = f"mla_sm120: self-check skipped ({selfcheck.ENV}=off)"
-    else:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        kernels, line = selfcheck.verify(decision, kernels, q_dtype="bf16", device=device, strict=mode == "strict")
+    kernels, line = selfcheck.verify_at_init(decision, kernels)
     logger.info("%s", decision.log_line())
     logger.info("%s", line)
     _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)

@@ -220,12 +220,7 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         kernels = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
         # Proved here, while vLLM builds the model: before any weight loads and before graph
         # capture, on its own small buffers. Results are per process, so later layers reuse them.
-        check_mode = selfcheck.mode()
-        if check_mode == "off":
-            check_line = f"mla_sm120: self-check skipped ({selfcheck.ENV}=off)"
-        else:
-            kernels, check_line = selfcheck.verify(self.decision, kernels, q_dtype="bf16", device=_engine_device(),
-                                                   strict=check_mode == "strict")
+        kernels, check_line = selfcheck.verify_at_init(self.decision, kernels)
         self._kernels: dict[str, BoundKernel] = kernels
         self._single_kernel = kernels[DECODE].name == kernels[PREFILL].name
         if ctx not in SLOT.logged:
@@ -281,13 +276,6 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             self._run(DECODE, q[:nd], kv_rows, slots[:nd], out[:nd])
             self._run(PREFILL, q[nd:], kv_rows, slots[nd:], out[nd:])
         return out, None
-
-
-def _engine_device() -> torch.device:
-    """Where this worker runs the kernels: its current CUDA device, or the CPU without one."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _device_capability() -> tuple[int, int]:
