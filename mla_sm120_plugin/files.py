@@ -160,7 +160,7 @@ def _too_deep(label: str, what: str) -> ConfigError:
 
 def check_nesting(value: Any, *, label: str, what: str) -> Any:
     """``value`` if its dicts and lists nest at most :data:`MAX_NESTING` deep (iteratively checked)."""
-    stack = [(value, 1)]
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []  # a scalar top level nests nothing
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING:

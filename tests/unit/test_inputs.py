@@ -370,3 +370,11 @@ def test_every_refusal_here_is_a_config_error_not_a_bare_value_error(tmp_path):
     d = _model_dir(tmp_path, json.dumps({**GLM, "index_topk": "abc"}))
     with pytest.raises(MlaSm120Error):
         resolve_model(str(d), registry=get_registry())
+
+
+@pytest.mark.parametrize("text", ["0", "1.5", '"GlmMoeDsaForCausalLM"', "null", "true"])
+def test_a_scalar_config_json_is_refused_not_crashed(tmp_path, capsys, text):
+    # Found by the property test: a config.json holding a bare JSON scalar crashed the nesting check.
+    (tmp_path / "config.json").write_text(text)
+    assert cli.main(["check", "--model", str(tmp_path), "--sm", "12.0"]) == 2
+    assert "the top level is a JSON" in capsys.readouterr().err
