@@ -200,6 +200,29 @@ def flat_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.reshape(pages * page_size, width)  # copies: see the docstring
 
 
+def page_view(rows: torch.Tensor, page_size: int = layout.PAGE_SIZE) -> torch.Tensor:
+    """Rows of a cache as ``page_size``-row pages: the geometry every engine adapter passes the kernels.
+
+    FlashInfer's SM120 kernels read 64-row pages only and read a 2-D tensor as one-row pages; the
+    other kernels read any paged or flat cache. Slot ids do not change: row ``r`` is slot ``r`` of
+    either view. vLLM's flat row view (blocks whole pages apart) and SGLang's ``[slots, 1, C]`` pool
+    buffer both hold a whole number of 64-row pages.
+
+    rows: [num_rows, width] with contiguous rows (row stride == width), num_rows % page_size == 0
+    returns: [num_rows // page_size, page_size, width], a view of the same storage
+    """
+    if rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) != rows.shape[1] or rows.shape[0] % page_size:
+        raise KernelInputError(
+            format_error(
+                given=f"cache rows {tuple(rows.shape)} with strides {tuple(rows.stride())}",
+                supported=f"[num_rows, width] with back-to-back rows and num_rows a multiple of {page_size} "
+                f"(whole {page_size}-row pages)",
+                fix=f"allocate the cache in whole {page_size}-token pages (block sizes that are multiples of {page_size})",
+            )
+        )
+    return rows.view(rows.shape[0] // page_size, page_size, rows.shape[1])
+
+
 def write_to_cache(
     kv_cache: torch.Tensor,
     tokens: torch.Tensor,

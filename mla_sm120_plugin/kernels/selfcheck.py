@@ -16,6 +16,7 @@ decision allows for that phase (that passes its own check), or the engine stops 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ NUM_PAGES = 4
 TOKENS_GPU = {"decode": 2, "prefill": 65}
 TOKENS_CPU = {"decode": 2, "prefill": 3}
 _TILE_GAINS = (0.5, 1.0, 2.0, 4.0)  # tiles of different magnitude, so a wrong per-tile scale shows
+
+
+def adversarial_ids(num_slots: int) -> tuple[int, ...]:
+    """The first candidates of token 0 in every case: padding, the first slot past the cache, one far
+    past it and a valid slot. The candidate after them repeats the next one (a duplicate counts twice)."""
+    return (-1, num_slots, num_slots + 1000, 3)
 
 
 @dataclass(frozen=True)
@@ -104,33 +111,92 @@ def clear_cache() -> None:
 
 
 def _case(key: CheckKey, device: torch.device) -> dict[str, Any]:
-    """The deterministic inputs of a check: a flat cache of a few pages, adversarial candidates."""
-    gen = torch.Generator().manual_seed(0)
+    """The deterministic inputs of a check, in the geometry the engines pass: 64-row pages.
+
+    Every tensor is made on the CPU with an explicit dtype, then moved to ``device``: the engines
+    build the impl inside their own default device and dtype (vLLM: ``torch.device("cuda")`` and the
+    model's bf16), which must change neither the case nor where its generator runs.
+    """
+    cpu = torch.device("cpu")
+    gen = torch.Generator(device=cpu).manual_seed(0)
     num_slots = NUM_PAGES * layout.PAGE_SIZE
-    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen)  # [S, 576]
-    latent[:, : layout.KV_LORA_RANK] *= torch.tensor(_TILE_GAINS).repeat_interleave(layout.FP8_TILE)
+    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen, dtype=torch.float32, device=cpu)  # [S, 576]
+    gains = torch.tensor(_TILE_GAINS, dtype=torch.float32, device=cpu).repeat_interleave(layout.FP8_TILE)  # [512]
+    latent[:, : layout.KV_LORA_RANK] *= gains
     if key.kv_layout == layout.FP8_DS_MLA:
         rows = pack.quantize_fp8_ds_mla(latent, key.written_format)  # [S, 656] uint8
-    else:
+    elif key.kv_layout == layout.BF16:
         rows = pack.pack_bf16(latent)  # [S, 576] bf16
+    else:
+        raise ValueError(f"no self-check case for kv_layout={key.kv_layout!r} (layouts: {layout.KV_LAYOUTS})")
     tokens = (TOKENS_GPU if device.type == "cuda" else TOKENS_CPU)[key.phase]
-    indices = torch.randint(0, num_slots, (tokens, key.topk), generator=gen, dtype=torch.int32)  # [T, topk]
-    row0 = indices[0]
-    row0[: min(4, key.topk)] = torch.tensor([-1, num_slots, num_slots + 1000, 3], dtype=torch.int32)[: min(4, key.topk)]
-    if key.topk > 5:
-        row0[5] = row0[4]  # a duplicate counts twice
-    topk_length = torch.full((tokens,), key.topk, dtype=torch.int32)
+    indices = torch.randint(0, num_slots, (tokens, key.topk), generator=gen, dtype=torch.int32, device=cpu)  # [T, topk]
+    special = adversarial_ids(num_slots)[: key.topk]
+    indices[0, : len(special)] = torch.tensor(special, dtype=torch.int32, device=cpu)
+    if key.topk > len(special) + 1:
+        indices[0, len(special) + 1] = indices[0, len(special)]  # a duplicate counts twice
+    topk_length = torch.full((tokens,), key.topk, dtype=torch.int32, device=cpu)
     if tokens > 1:
         topk_length[1] = max(1, key.topk // 3)
-    q = torch.randn(tokens, key.num_heads, layout.HEAD_DIM, generator=gen)  # [T, H, 576]
+    q = torch.randn(tokens, key.num_heads, layout.HEAD_DIM, generator=gen, dtype=torch.float32, device=cpu)  # [T, H, 576]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[key.q_dtype]
-    return dict(q=q.to(dtype).to(device), kv_cache=rows.to(device), indices=indices.to(device),
-                topk_length=topk_length.to(device), sm_scale=layout.HEAD_DIM**-0.5, kv_layout=key.kv_layout)
+    return dict(q=q.to(dtype=dtype, device=device), kv_cache=pack.page_view(rows).to(device),  # [P, 64, C]
+                indices=indices.to(device), topk_length=topk_length.to(device),
+                sm_scale=layout.HEAD_DIM**-0.5, kv_layout=key.kv_layout)
+
+
+@contextlib.contextmanager
+def _forward_time_defaults():
+    """Run with the defaults a forward runs under, not the engine's construction context.
+
+    vLLM builds the impl (and so runs this check) inside ``set_default_torch_dtype(bf16)`` and
+    ``torch.device("cuda")``; its forward runs outside both. A kernel that makes a tensor without
+    an explicit device or dtype must behave here as it will at the first request.
+    """
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _run_and_compare(kernel: BoundKernel, key: CheckKey, inputs: dict[str, Any], tolerance: float,
+                     start: float) -> CheckResult:
+    """Call the kernel on the case and compare it with the fp32 torch reference."""
+    device = torch.device(key.device)
+    try:
+        out = kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                          kv_layout=key.kv_layout, topk_length=inputs["topk_length"], scale_format=key.scale_format)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
+        return CheckResult(key, False, None, tolerance, time.perf_counter() - start, _one_line(exc))
+    # The reference in fp32 throughout (a bf16 output of its own would add a rounding step the
+    # kernel's output is then measured against).
+    try:
+        ref = torch_sparse_mla(inputs["q"].float(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                               kv_layout=key.kv_layout, topk_length=inputs["topk_length"])
+    except Exception as exc:  # noqa: BLE001 - no ground truth on this device: the kernel is unproven
+        return CheckResult(key, True, None, tolerance, time.perf_counter() - start,
+                           f"the torch reference could not run on {device}: {_one_line(exc)}")
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return CheckResult(key, True, None, tolerance, time.perf_counter() - start,
+                           f"output shape {shape}, expected {tuple(ref.shape)}")
+    diff = (out.float() - ref).abs()
+    scale = max(ref.abs().max().item(), 1e-30)
+    max_error = diff.max().item() / scale if diff.numel() else 0.0
+    error = None
+    if not max_error <= tolerance:  # NaN fails too
+        error = f"max error {max_error:.3g} of the output's magnitude > tolerance {tolerance:g}"
+    return CheckResult(key, True, max_error, tolerance, time.perf_counter() - start, error)
 
 
 def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str, num_heads: int, topk: int,
@@ -156,30 +222,16 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str,
     if key in _results:
         return _results[key]
     tolerance = get_registry().kernels[kernel.name].tolerance
-    inputs = _case(key, device)
     start = time.perf_counter()
-    max_error: float | None = None
-    try:
-        out = kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
-                          kv_layout=kv_layout, topk_length=inputs["topk_length"], scale_format=scale_format)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
-        result = CheckResult(key, False, None, tolerance, time.perf_counter() - start, _one_line(exc))
-    else:
-        # The reference in fp32 throughout (a bf16 output of its own would add a rounding step
-        # the kernel's output is then measured against).
-        ref = torch_sparse_mla(inputs["q"].float(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
-                               kv_layout=kv_layout, topk_length=inputs["topk_length"])
-        diff = (out.float() - ref).abs()
-        scale = max(ref.abs().max().item(), 1e-30)
-        max_error = diff.max().item() / scale if diff.numel() else 0.0
-        error = None
-        if out.shape != ref.shape:
-            error = f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-        elif not max_error <= tolerance:  # NaN fails too
-            error = f"max error {max_error:.3g} of the output's magnitude > tolerance {tolerance:g}"
-        result = CheckResult(key, True, max_error, tolerance, time.perf_counter() - start, error)
+    inputs: dict[str, Any] = {}
+    with _forward_time_defaults():
+        try:
+            inputs = _case(key, device)
+        except Exception as exc:  # noqa: BLE001 - a case this device cannot hold fails the check, never the engine
+            result = CheckResult(key, False, None, tolerance, time.perf_counter() - start,
+                                 f"could not build the self-check case on {device}: {_one_line(exc)}")
+        else:
+            result = _run_and_compare(kernel, key, inputs, tolerance, start)
     del inputs
     _results[key] = result
     return result
