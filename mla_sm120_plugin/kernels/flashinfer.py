@@ -422,8 +422,23 @@ def _bad_input(given: str, supported: str, fix: str) -> KernelInputError:
     return KernelInputError(format_error(given=f"flashinfer_sparse_mla: {given}", supported=supported, fix=fix))
 
 
-def _kv_geometry(kv_cache: torch.Tensor) -> tuple[int, int, bool]:
-    """(page_size, num_slots, pages back to back) of a 3-D or singleton-head 4-D cache."""
+def _kv_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int, bool]:
+    """The cache as FlashInfer reads it, and its (page_size, num_slots, pages back to back).
+
+    A 3-D or singleton-head 4-D cache is taken as it is. FlashInfer reads a 2-D tensor as one-token
+    pages, so a flat ``[num_slots, 656]`` cache is viewed as the 64-row pages the SM120 kernels are
+    built for (slot ids are unchanged), or refused when its rows do not form whole pages.
+    """
+    if kv_cache.dim() == 2:
+        if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] or kv_cache.shape[0] % layout.PAGE_SIZE:
+            raise _bad_input(
+                f"flat kv_cache {tuple(kv_cache.shape)} with strides {tuple(kv_cache.stride())}",
+                f"[pages, {layout.PAGE_SIZE}, {layout.FP8_DS_MLA_TOKEN_BYTES}] pages, or flat rows that form whole "
+                f"{layout.PAGE_SIZE}-row pages (back to back, a multiple of {layout.PAGE_SIZE} rows)",
+                f"pass the cache as pages: rows.view(-1, {layout.PAGE_SIZE}, {layout.FP8_DS_MLA_TOKEN_BYTES}) "
+                "(mla_sm120_plugin.kernels.pack.page_view)",
+            )
+        kv_cache = kv_cache.view(-1, layout.PAGE_SIZE, kv_cache.shape[1])
     if kv_cache.dim() == 3:
         axis = 1
     elif kv_cache.dim() == 4 and (kv_cache.shape[1] == 1 or kv_cache.shape[2] == 1):
@@ -432,21 +447,40 @@ def _kv_geometry(kv_cache: torch.Tensor) -> tuple[int, int, bool]:
         raise _bad_input(
             f"kv_cache shape {tuple(kv_cache.shape)}",
             f"[pages, page_size, {layout.FP8_DS_MLA_TOKEN_BYTES}], [pages, 1, page_size, "
-            f"{layout.FP8_DS_MLA_TOKEN_BYTES}] or [pages, page_size, 1, {layout.FP8_DS_MLA_TOKEN_BYTES}]",
+            f"{layout.FP8_DS_MLA_TOKEN_BYTES}], [pages, page_size, 1, {layout.FP8_DS_MLA_TOKEN_BYTES}] or "
+            f"flat [num_slots, {layout.FP8_DS_MLA_TOKEN_BYTES}] rows",
             "pass the layer's paged fp8_ds_mla cache",
         )
     page_size = kv_cache.shape[axis]
     packed = kv_cache.stride(0) == page_size * kv_cache.stride(axis)
-    return page_size, kv_cache.shape[0] * page_size, packed
+    return kv_cache, page_size, kv_cache.shape[0] * page_size, packed
 
 
-def _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base) -> None:
+def check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    topk_length: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse_base: str = "e",
+    require_cuda: bool = True,
+) -> torch.Tensor:
+    """Everything :func:`flashinfer_sparse_mla` demands of its tensors, checked without a GPU.
+
+    Pure Python on tensor metadata: an engine adapter's tensors can be checked on the CPU with
+    ``require_cuda=False`` (which skips only the CUDA-device requirement).
+
+    :returns: ``kv_cache`` as FlashInfer will read it (a flat cache viewed as 64-row pages).
+    :raises KernelInputError: naming the argument, what was given and what is accepted.
+    """
     import torch
 
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.dtype != torch.bfloat16 or not q.is_cuda:
+    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.dtype != torch.bfloat16 or (require_cuda and not q.is_cuda):
         raise _bad_input(
             f"q {tuple(q.shape)} {q.dtype} on {q.device}",
-            f"[T, H, {layout.HEAD_DIM}] torch.bfloat16 on a CUDA device",
+            f"[T, H, {layout.HEAD_DIM}] torch.bfloat16" + (" on a CUDA device" if require_cuda else ""),
             "pack q as [ql_nope (512), q_pe (64)] in bfloat16",
         )
     num_tokens, num_heads, _ = q.shape
@@ -461,8 +495,9 @@ def _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base) -> Non
         raise _bad_input(
             f"kv_cache strides {kv_cache.stride()} at address % 16 = {kv_cache.data_ptr() % 16}",
             "contiguous rows, a 16-byte aligned origin and page stride",
-            "pass the cache tensor vLLM allocated (or a view that keeps its alignment)",
+            "pass the cache tensor the engine allocated (or a view that keeps its alignment)",
         )
+    pages, _, _, _ = _kv_pages(kv_cache)
     if indices.dim() != 2 or indices.shape[0] != num_tokens or indices.shape[1] < 1 or indices.dtype != torch.int32:
         raise _bad_input(
             f"indices {tuple(indices.shape)} {indices.dtype}",
@@ -500,6 +535,38 @@ def _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base) -> Non
         )
     if lse_base not in LSE_BASES:
         raise _bad_input(f"lse_base={lse_base!r}", f"one of {LSE_BASES}", "pass 'e' (natural log) or '2'")
+    return pages
+
+
+def mask_out_of_range(indices: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``indices`` with every id at or past ``num_slots`` replaced by -1.
+
+    FlashInfer skips ids < 0 but reads any id >= 0; one fused elementwise op (graph-safe), which
+    also gives its prefill path the dense -1-padded index rows it needs.
+    """
+    import torch
+
+    return torch.where(indices < num_slots, indices, -1)
+
+
+def sink_free_lse(native_lse: torch.Tensor, sink: torch.Tensor | None, lse_base: str) -> torch.Tensor:
+    """The plugin's LSE from the one FlashInfer returns (natural log when a sink is given).
+
+    FlashInfer folds a sink into the LSE it reports: ``lse' = log(exp(lse) + exp(sink))``; the
+    contract's LSE excludes it: ``lse = lse' + log(1 - exp(sink - lse'))``. A row with no valid
+    slot reports ``lse' = sink`` and gets ``-inf``.
+
+    native_lse: [T, H] float32, natural log where ``sink`` is given, else already in ``lse_base``
+    sink: [H] float32 or None
+    returns: [T, H] float32 in ``lse_base``
+    """
+    import torch
+
+    if sink is None:
+        return native_lse
+    correction = torch.log(-torch.expm1(sink[None, :] - native_lse))
+    lse = torch.where(torch.isneginf(native_lse), native_lse, native_lse + correction)
+    return lse * _LOG2E if lse_base == "2" else lse
 
 
 def _get_wrapper(device: torch.device, kv_scale_format: str):
@@ -547,7 +614,8 @@ def flashinfer_sparse_mla(
     state during capture.
 
     q: [T, H, 576], bfloat16, CUDA (copied once if not contiguous)
-    kv_cache: [P, page_size, 656] uint8 fp8_ds_mla (also [P, 1, page_size, 656] / [P, page_size, 1, 656])
+    kv_cache: [P, page_size, 656] uint8 fp8_ds_mla (also [P, 1, page_size, 656] / [P, page_size, 1, 656]);
+        flat [num_slots, 656] rows are read as 64-row pages (num_slots a multiple of 64)
     indices: [T, topk], int32, global slots (page * page_size + row); -1 and ids outside
         [0, P * page_size) are skipped
     sm_scale: Python float, the model's softmax scale
@@ -572,7 +640,7 @@ def flashinfer_sparse_mla(
             "a Python float (the kernel takes it as a launch argument)",
             "pass float(layer.scaling) once at init, not a tensor",
         )
-    _check_inputs(q, kv_cache, indices, topk_length, sink, out, lse_base)
+    kv_cache = check_inputs(q, kv_cache, indices, topk_length=topk_length, sink=sink, out=out, lse_base=lse_base)
     import torch
 
     num_tokens, num_heads, _ = q.shape
@@ -594,7 +662,7 @@ def flashinfer_sparse_mla(
             "the shapes envelope_reasons() accepts",
             "route this shape to the triton or torch kernel (the selection does so at init)",
         )
-    _, num_slots, packed_pages = _kv_geometry(kv_cache)
+    _, _, num_slots, packed_pages = _kv_pages(kv_cache)
     if num_tokens > limit and not packed_pages:
         raise _bad_input(
             f"{num_tokens} tokens on a page-strided kv_cache (page stride {kv_cache.stride(0)} bytes)",
@@ -609,9 +677,7 @@ def flashinfer_sparse_mla(
         return (out, empty) if return_lse else out
 
     wrapper = _get_wrapper(q.device, fmt.kv_scale_format)  # before any launch: may refuse under capture
-    # FlashInfer skips ids < 0 but reads any id >= 0: out-of-range ids become -1 here (one fused
-    # elementwise op, graph-safe), which also gives the dense index rows its prefill path needs.
-    indices = torch.where(indices < num_slots, indices, -1)
+    indices = mask_out_of_range(indices, num_slots)
     if topk_length is not None:
         # Native code indexes it densely: a strided or expanded view is copied (T ints).
         topk_length = topk_length.to(torch.int32).contiguous()
@@ -653,11 +719,4 @@ def flashinfer_sparse_mla(
 
     if not return_lse:
         return out
-    if sink is not None:
-        # FlashInfer reports lse' = log(exp(lse) + exp(sink)); the contract's lse excludes the sink:
-        # lse = lse' + log(1 - exp(sink - lse')). A row with no valid slot gives lse' = sink -> -inf.
-        correction = torch.log(-torch.expm1(sink[None, :] - out_lse))
-        out_lse = torch.where(torch.isneginf(out_lse), out_lse, out_lse + correction)
-        if lse_base == "2":
-            out_lse = out_lse * _LOG2E
-    return out, out_lse
+    return out, sink_free_lse(out_lse, sink, lse_base)
