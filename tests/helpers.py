@@ -8,6 +8,22 @@ import sys
 from pathlib import Path
 
 
+TESTS_DIR = Path(__file__).resolve().parent
+# What a subprocess test inherits from the caller: how to find programs, files and the GPU the
+# caller sees; never the caller's plugin, engine or Triton settings (MLA_SM120_*, VLLM_*, SGLANG_*,
+# TRITON_INTERPRET), which would make the test depend on the shell it was started from.
+_BASE_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """A subprocess environment: :data:`_BASE_ENV` from this one, this checkout and the tests'
+    helper modules on ``PYTHONPATH``, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k in _BASE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR)])
+    env.update(extra)
+    return env
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``mla-sm120`` in a subprocess, as a user would."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_SM120_")}

@@ -9,16 +9,11 @@ layers' pages), with 5 heads and an index top-k of 100 (not a multiple of 64).
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
-from conftest import make_impl, make_vllm_config, write_model
-from vllm.config import set_current_vllm_config
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+from model_configs import write_model
+from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config
 
-from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
 
@@ -26,38 +21,8 @@ HEADS, TOPK, PAGE, STRIDE_ROWS, NUM_BLOCKS = 5, 100, 64, 128, 12
 Q_LENS = [1, 1, 5, 3]  # decodes first, as vLLM reorders them
 SEQ_LENS = [70, 130, 5, 66]
 BLOCK_TABLE = [[3, 7, 0], [1, 2, 9], [5, 0, 0], [4, 6, 0]]
-LAYER = "model.layers.0.self_attn.attn"
 # Triton (interpreter, fp32 accumulate) and the reference against float64 on unit-scale data.
 OUT_ATOL = 2e-2
-
-
-@pytest.fixture
-def cpu_vllm(monkeypatch):
-    """What vLLM's CPU-less platform lacks, set the narrowest way: no pinned memory, TP of 1."""
-    import vllm.model_executor.layers.attention.sparse_mla_attention as sma
-
-    monkeypatch.setattr(sma, "PIN_MEMORY", False)
-    monkeypatch.setattr(sma, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _common_metadata() -> CommonAttentionMetadata:
-    qsl = torch.zeros(len(Q_LENS) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(Q_LENS), 0)
-    bt = torch.tensor(BLOCK_TABLE, dtype=torch.int32)
-    slots = [int(bt[r, p // PAGE]) * STRIDE_ROWS + p % PAGE
-             for r, (ql, sl) in enumerate(zip(Q_LENS, SEQ_LENS)) for p in range(sl - ql, sl)]
-    cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(SEQ_LENS, dtype=torch.int32),
-        num_reqs=len(Q_LENS), num_actual_tokens=sum(Q_LENS), max_query_len=max(Q_LENS),
-        max_seq_len=max(SEQ_LENS), block_table_tensor=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        causal=True, seq_lens_cpu_upper_bound=torch.tensor(SEQ_LENS, dtype=torch.int32),
-        is_prefilling=torch.tensor([q > 1 for q in Q_LENS]),
-    )
-    # token_to_req_indices() is a vLLM Triton kernel that vLLM only imports with a GPU driver;
-    # its cache is the documented way to hand the mapping over.
-    cam._token_to_req_indices_cache = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS)).int()
-    return cam
 
 
 def _logical_topk(gen: torch.Generator) -> torch.Tensor:
@@ -99,19 +64,12 @@ def test_forward_mqa_mixed_batch_matches_dense_math(tmp_path, cpu_vllm, kv_dtype
     vc = make_vllm_config(model, cache_dtype=kv_dtype, enforce_eager=True,
                           additional_config={"mla_sm120": {"decode_kernel": TRITON, "prefill_kernel": TORCH}})
     layout_width = 656 if kv_dtype == "fp8_ds_mla" else 576
-    vc.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
-    spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
-        block_size=PAGE, num_kv_heads=1, head_size=576,
-        dtype=torch.uint8 if kv_dtype == "fp8_ds_mla" else torch.bfloat16, cache_dtype_str=kv_dtype,
-        kv_quant_mode=get_kv_quant_mode(kv_dtype), state_content_bytes=656 if kv_dtype == "fp8_ds_mla" else None,
-        topk_buffer_width=TOPK, is_index_group_leader=True,
-    ))
     scale = (192 + 64) ** -0.5
-    impl = make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype=kv_dtype, scale=scale)
+    # Built as vLLM builds it (bf16 default dtype, the load device), on the CPU where it then runs.
+    impl = make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype=kv_dtype, scale=scale, load_device="cpu")
     topk_buffer = impl.topk_indices_buffer
-    with set_current_vllm_config(vc):
-        builder = MlaSm120Backend.get_builder_cls()(spec, [LAYER], vc, torch.device("cpu"))
-        md = builder.build(common_prefix_len=0, common_attn_metadata=_common_metadata())
+    md = build_metadata(vc, kv_dtype, TOPK, common_metadata(Q_LENS, SEQ_LENS, BLOCK_TABLE, page=PAGE,
+                                                            stride_rows=STRIDE_ROWS))
     assert impl.decision.decode == TRITON and impl.decision.prefill == TORCH
     # Our builder counts only true decodes as decode rows: the 5- and 3-token prefills are prefill.
     assert (md.num_decode_tokens, md.num_prefills) == (2, 2)

@@ -6,11 +6,10 @@ next kernel the decision allows and logs why; with MLA_SM120_SELF_CHECK=strict i
 
 from __future__ import annotations
 
-import logging
-
 import pytest
-from conftest import make_impl, make_vllm_config, write_model
 from helpers import assert_three_parts
+from model_configs import write_model
+from vllm_engine import make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import reset_registry
@@ -37,13 +36,13 @@ def _build(vc):
     return make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype="fp8_ds_mla", scale=(192 + 64) ** -0.5)
 
 
-def test_failing_kernel_falls_back_and_says_why(forced_wrong_decode, caplog):
-    with caplog.at_level(logging.INFO, logger="mla_sm120_plugin"):
+def test_failing_kernel_falls_back_and_says_why(forced_wrong_decode):
+    with vllm_log() as messages:
         impl = _build(forced_wrong_decode)
     assert impl.decision.decode == WRONG  # what was decided ...
     assert impl._kernels[DECODE].name == TRITON  # ... and what runs
     assert impl._kernels[PREFILL].name == TORCH
-    (line,) = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
+    (line,) = [m for m in messages if "self-check" in m]
     assert f"decode={WRONG} FAILED on arbitrary-written scales (max error" in line, line
     assert f"falling back to {TRITON} ok" in line, line
     assert line.rstrip().endswith(" s"), line  # the time it took
@@ -58,9 +57,9 @@ def test_strict_refuses_before_any_weight_loads(forced_wrong_decode, monkeypatch
     assert_three_parts(message)
 
 
-def test_off_skips_and_says_so(forced_wrong_decode, monkeypatch, caplog):
+def test_off_skips_and_says_so(forced_wrong_decode, monkeypatch):
     monkeypatch.setenv("MLA_SM120_SELF_CHECK", "off")
-    with caplog.at_level(logging.INFO, logger="mla_sm120_plugin"):
+    with vllm_log() as messages:
         impl = _build(forced_wrong_decode)
     assert impl._kernels[DECODE].name == WRONG
-    assert any("self-check skipped (MLA_SM120_SELF_CHECK=off)" in r.getMessage() for r in caplog.records)
+    assert any("self-check skipped (MLA_SM120_SELF_CHECK=off)" in m for m in messages)

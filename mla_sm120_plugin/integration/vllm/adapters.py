@@ -28,6 +28,20 @@ change would let it go.
    for every model in 0.33, GLM included. Our Triton and torch kernels read the fp32 scale as a
    value, so they are right for either format; FlashInfer is told the profile's format, and
    ``arbitrary_fp32`` (GLM's) reads pow2 scales correctly too.
+9. Logging (vllm/logger.py): vLLM puts its handler on the ``vllm`` logger only, with
+   ``propagate`` off; the adapter logs as ``vllm.mla_sm120_plugin`` so its two init lines reach
+   vLLM's console in every process. Would go if vLLM configured the root logger.
+10. Ray environment (vllm/ray/ray_env.py): the Ray data-parallel launcher copies only variables it
+   knows to its engine-core actors; ``register()`` adds ``MLA_SM120_`` to
+   ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` (vLLM's additive knob) when a setting is set. Would go
+   if vLLM carried plugin settings in its config objects.
+11. Construction context (model_executor/model_loader/base_loader.py ``load_model``): vLLM builds the
+   impl under ``set_default_torch_dtype(model dtype)`` and ``torch.device(load device)``; the
+   self-check makes its tensors with explicit devices and dtypes and runs the kernels under the
+   defaults a forward sees.
+12. 64-row pages: the kernels get ``flat_kv_row_view`` rows as ``[rows / 64, 64, C]`` (vLLM's own
+   SM120 impl passes FlashInfer the same ``view(-1, 64, C)``); ``customize_spec`` keeps blocks whole
+   64-row pages apart, so the view always exists.
 """
 
 from __future__ import annotations

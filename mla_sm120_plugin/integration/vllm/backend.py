@@ -34,12 +34,14 @@ from ...hooks.policy import SERVED_SM_FAMILIES
 from ...kernels import selfcheck
 from ...kernels.binding import BoundKernel, bind
 from ...kernels.layout import HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
+from ...kernels.pack import page_view
 from ...modelinfo import facts_from_hf_config
 from ...selection import select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
+from . import LOGGER_NAME
 from .adapters import current_vllm_config, logical_to_global
 
-logger = logging.getLogger("mla_sm120_plugin")
+logger = logging.getLogger(LOGGER_NAME)
 
 BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
 
@@ -228,7 +230,7 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             logger.info("%s", self.decision.log_line())
             logger.info("%s", check_line)
 
-    def _run(self, phase: str, q: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         kernel = self._kernels[phase]
         if not kernel.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise KernelUnavailable(
@@ -238,7 +240,7 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
-        kernel.call(q, kv_rows, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
+        kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
                     scale_format=self.decision.scale_format)
 
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
@@ -248,6 +250,10 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         kv_c_and_k_pe_cache: [num_blocks, block_size, 656] uint8 (fp8_ds_mla) or
             [num_blocks, block_size, 576] bfloat16; block stride may exceed block_size rows
         returns: (out [N, H, 512] in q's dtype, None)
+
+        The kernels get the cache as 64-row pages of vLLM's flat row view (slots are rows of it),
+        the geometry FlashInfer's SM120 kernels are built for; blocks are whole 64-row pages apart
+        (``customize_spec``), so the view always exists.
         """
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)  # [N, H, 576], contiguous
@@ -265,16 +271,17 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                 logical, attn_metadata.req_id_per_token, attn_metadata.block_table,
                 block_size=attn_metadata.block_size, block_stride_rows=stride_rows,
             )
+        pages = page_view(kv_rows)  # [rows / 64, 64, C]
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]
         nd = attn_metadata.num_decode_tokens
         if self._single_kernel or nd == n:
-            self._run(DECODE, q, kv_rows, slots, out)
+            self._run(DECODE, q, pages, slots, out)
         elif nd == 0:
-            self._run(PREFILL, q, kv_rows, slots, out)
+            self._run(PREFILL, q, pages, slots, out)
         else:
             # Decode rows come first in vLLM's reordered batch.
-            self._run(DECODE, q[:nd], kv_rows, slots[:nd], out[:nd])
-            self._run(PREFILL, q[nd:], kv_rows, slots[nd:], out[nd:])
+            self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd])
+            self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:])
         return out, None
 
 

@@ -1,0 +1,168 @@
+"""vLLM 0.33 as it builds and runs the plugin on a GPU, reproduced on the CPU with vLLM's own objects.
+
+What a CPU test must copy from a GPU start-up (FACTS.md §12), in one place for every vLLM test:
+
+- :func:`make_vllm_config`: real ``VllmConfig`` objects for a tiny model directory (no weights);
+- :func:`construction_context` / :func:`make_impl`: the impl built the way ``load_model`` builds
+  the model, inside ``set_default_torch_dtype(model dtype)`` and ``torch.device(load device)``
+  (``"meta"`` stands in for ``"cuda"``: any tensor made without an explicit device shows up);
+- :func:`common_metadata` / :func:`build_metadata`: vLLM's own metadata builder on a batch of
+  decode and prefill requests whose blocks sit a stride of rows apart (other layers' pages between);
+- :func:`vllm_log`: vLLM's own console handler, the only one a vLLM process has.
+
+No pytest fixtures here, and nothing that changes the environment at import: a subprocess (the
+logging and worker tests) imports this module as a vLLM process would run the plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from typing import Iterator
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+LAYER = "model.layers.0.self_attn.attn"
+# GLM-5's per-head widths: the softmax scale vLLM passes is (qk_nope + qk_rope) ** -0.5.
+GLM_SCALE = (192 + 64) ** -0.5
+
+
+def make_vllm_config(model_dir: str, *, cache_dtype: str = "fp8_ds_mla", tp: int = 1,
+                     additional_config: dict | None = None, enforce_eager: bool = False,
+                     max_num_seqs: int = 256, max_num_batched_tokens: int = 4096) -> VllmConfig:
+    """A real VllmConfig for the tiny model in ``model_dir``, on vLLM's CPU device config."""
+    model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                               max_model_len=4096, enforce_eager=enforce_eager)
+    return VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=64),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=4096, is_encoder_decoder=False),
+        additional_config=additional_config or {},
+    )
+
+
+def selector_kwargs(kv_cache_dtype: str, cap: tuple[int, int], head_size: int = 576) -> dict:
+    """The keyword arguments vLLM's CUDA selector passes to validate_configuration."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    cfg = AttentionSelectorConfig(head_size=head_size, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,
+                                  block_size=None, use_mla=True, use_sparse=True)
+    return {"device_capability": DeviceCapability(*cap), **cfg._asdict()}
+
+
+@contextlib.contextmanager
+def construction_context(vllm_config: VllmConfig, load_device: str = "meta") -> Iterator[None]:
+    """What ``BaseModelLoader.load_model`` wraps model construction in: the model's default dtype and
+    the load device (``"meta"`` for ``"cuda"`` on the CPU), with the config in scope."""
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
+        with torch.device(load_device):
+            yield
+
+
+def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float = GLM_SCALE,
+              load_device: str = "meta", cap: tuple[int, int] = (12, 0)):
+    """The plugin's impl as vLLM's DSA attention layer constructs it (GLM-5 geometry): the selector
+    validates first, then the impl is built inside :func:`construction_context`.
+
+    ``load_device="meta"`` is where a GPU start-up would build it (on ``cuda``); a test that runs the
+    impl's forward on the CPU builds it on ``"cpu"`` so its buffers are usable there.
+    """
+    from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, MlaSm120Impl
+
+    with set_current_vllm_config(vllm_config):
+        reasons = MlaSm120Backend.validate_configuration(**selector_kwargs(kv_cache_dtype, cap))
+    if reasons:
+        raise AssertionError(f"vLLM's selector would refuse the backend: {reasons}")
+    with construction_context(vllm_config, load_device):
+        # The indexer's shared buffer is vLLM's, made on the real device outside construction.
+        with torch.device("cpu"):
+            topk_buffer = torch.full((vllm_config.scheduler_config.max_num_batched_tokens, topk), -1,
+                                     dtype=torch.int32)
+        return MlaSm120Impl(
+            num_heads=heads, head_size=576, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
+            v_head_dim=256, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
+        )
+
+
+def common_metadata(q_lens: list[int], seq_lens: list[int], block_table: list[list[int]], *, page: int,
+                    stride_rows: int):
+    """A CommonAttentionMetadata for requests of ``q_lens`` new tokens (decodes first, as vLLM
+    reorders them), blocks ``stride_rows`` rows apart."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    bt = torch.tensor(block_table, dtype=torch.int32)
+    slots = [int(bt[r, p // page]) * stride_rows + p % page
+             for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)) for p in range(sl - ql, sl)]
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        causal=True, seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
+        is_prefilling=torch.tensor([q > 1 for q in q_lens]),
+    )
+    # token_to_req_indices() is a vLLM Triton kernel that vLLM only imports with a GPU driver;
+    # its cache is the documented way to hand the mapping over.
+    cam._token_to_req_indices_cache = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens)).int()
+    return cam
+
+
+def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam, *, page: int = 64):
+    """vLLM's own metadata builder (the plugin's subclass) on ``cam``, for one layer."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
+
+    fp8 = kv_cache_dtype == "fp8_ds_mla"
+    vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
+    spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
+        block_size=page, num_kv_heads=1, head_size=576, dtype=torch.uint8 if fp8 else torch.bfloat16,
+        cache_dtype_str=kv_cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
+        state_content_bytes=656 if fp8 else None, topk_buffer_width=topk, is_index_group_leader=True,
+    ))
+    with set_current_vllm_config(vllm_config):
+        builder = MlaSm120Backend.get_builder_cls()(spec, [LAYER], vllm_config, torch.device("cpu"))
+        return builder.build(common_prefix_len=0, common_attn_metadata=cam)
+
+
+@contextlib.contextmanager
+def vllm_log(level: int = logging.INFO) -> Iterator[list[str]]:
+    """The messages vLLM's own console handler receives while the block runs, at ``level``.
+
+    vLLM configures one handler, on its ``vllm`` logger (propagation off): a record that reaches it
+    is on the console of a real vLLM process; a record of any other logger is on no console.
+    """
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    root = logging.getLogger("vllm")
+    handler = Collect(level)
+    saved = root.level
+    root.addHandler(handler)
+    root.setLevel(min(saved or logging.WARNING, level))
+    try:
+        yield messages
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved)
