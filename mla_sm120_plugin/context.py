@@ -15,39 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from . import config as config_mod
+from . import engines as engines_mod
 from .errors import ConfigError, format_error
-from .kernels.layout import BF16, FP8_DS_MLA, SCALE_ARBITRARY
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
 
-# Each engine's KV-cache dtype spellings -> the layout the kernels read. Other spellings pass
-# through unchanged and the built-in policy refuses them, naming the flag. The same word can mean
-# different bytes: SGLang's "fp8_e4m3" for a DSA model is the 656-byte packed layout, vLLM's is a
-# plain fp8 cache (vLLM calls the packed one "fp8_ds_mla").
-_SHARED_SPELLINGS: Mapping[str, str] = {
-    FP8_DS_MLA: FP8_DS_MLA,
-    BF16: BF16,
-    "bfloat16": BF16,
-    "auto": BF16,  # the engines' default: the model dtype, bf16 for every DSA model
-}
-KV_DTYPE_ALIASES: Mapping[str, Mapping[str, str]] = {
-    "vllm": _SHARED_SPELLINGS,
-    # SGLang's DSA pool packs fp8 latent + fp32 scales + bf16 rope under the name fp8_e4m3.
-    "sglang": {**_SHARED_SPELLINGS, "fp8_e4m3": FP8_DS_MLA},
-}
-ENGINES = tuple(KV_DTYPE_ALIASES)
-
-# How each engine's cache writer stores fp8 scales, where that is the engine's fact rather than
-# the model's: SGLang writes amax/448 for every model; vLLM follows the model (None).
-ENGINE_SCALE_FORMATS: Mapping[str, str | None] = {"vllm": None, "sglang": SCALE_ARBITRARY}
+ENGINES = tuple(engines_mod.ENGINES)
 
 
-def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm") -> str:
-    """The cache layout for an engine's ``--kv-cache-dtype`` value (None: the engine default)."""
-    if engine_kv_cache_dtype is None:
-        return BF16
-    value = str(engine_kv_cache_dtype)
-    return KV_DTYPE_ALIASES[engine].get(value, value)
+def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None) -> str:
+    """The cache layout an engine's ``--kv-cache-dtype`` value gives a DSA model (None or ``auto``:
+    the engine's default on a GPU of ``sm_family``)."""
+    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family)
 
 
 @dataclass(frozen=True)
@@ -61,10 +40,10 @@ class EngineLimits:
     :param cuda_graphs: decode is captured in CUDA graphs.
     :param features: engine features switched on that change the cache or top-k path
         (``"hisparse"``, ``"dcp"``); see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`.
-    :param engine: whose spellings ``kv_cache_dtype`` uses (a key of :data:`KV_DTYPE_ALIASES`).
+    :param engine: whose spellings and flags apply (a key of :data:`mla_sm120_plugin.engines.ENGINES`).
     :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
-        fact rather than the model's; None: the engine's entry in :data:`ENGINE_SCALE_FORMATS`
-        (None there too: the model's). An explicit ``kv_scale_format`` in the plugin config wins.
+        fact rather than the model's; None: the engine's own (:attr:`Engine.scale_format`; None
+        there too: the model's). An explicit ``kv_scale_format`` in the plugin config wins.
     """
 
     tensor_parallel_size: int = 1
@@ -84,11 +63,11 @@ class EngineLimits:
                 raise ConfigError(format_error(f"{name}={value!r}", "a positive integer",
                                                f"set {name.replace('_', '-')} to 1 or more"))
         object.__setattr__(self, "features", frozenset(self.features))
-        if self.engine not in KV_DTYPE_ALIASES:
-            raise ConfigError(format_error(f"engine={self.engine!r}", f"one of {list(KV_DTYPE_ALIASES)}",
+        if self.engine not in engines_mod.ENGINES:
+            raise ConfigError(format_error(f"engine={self.engine!r}", f"one of {list(engines_mod.ENGINES)}",
                                            "pass the engine the context is built for"))
         if self.scale_format is None:
-            object.__setattr__(self, "scale_format", ENGINE_SCALE_FORMATS[self.engine])
+            object.__setattr__(self, "scale_format", engines_mod.ENGINES[self.engine].scale_format)
 
 
 def build_context(
@@ -111,7 +90,11 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine),
+        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family),
+        kv_cache_dtype_given=None if kv_cache_dtype is None else str(kv_cache_dtype),
+        engine=limits.engine,
+        kv_lora_rank=facts.kv_lora_rank,
+        qk_rope_head_dim=facts.qk_rope_head_dim,
         num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
         index_topk=facts.index_topk,
         device=device,

@@ -23,17 +23,35 @@ MAX_HEADS = 1024
 MAX_INDEX_TOPK = 1 << 20
 
 
+# Bounds on the MLA widths a config may claim (the DSA models have 512/64/128-192/128-256; GLM-5.3-Flash
+# has rope 0). Outside them the value is a typo or a corrupted file. The kernels' own widths are the
+# layout's; the policy refuses a model whose cache rows would not be those.
+MAX_HEAD_WIDTH = 1 << 16
+
+# The geometry keys of an MLA config: the least value each may take (rope may be 0: NoPE models).
+GEOMETRY_KEYS = {"kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0, "v_head_dim": 1}
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """:param arch: HF ``architectures[0]``. :param name: what the user called it.
     :param num_heads: attention heads before tensor parallelism; 0 when the config omits it and no
         profile serves ``arch`` (the selection then refuses the architecture).
-    :param index_topk: indexer top-k; 0 in the same case."""
+    :param index_topk: indexer top-k; 0 in the same case.
+    :param kv_lora_rank: latent width, the config's or the profile's (0 when neither says).
+    :param qk_rope_head_dim: RoPE width, the same way.
+    :param qk_nope_head_dim: the non-rope q/k width per head (enters only the engine's projections
+        and softmax scale; read and type-checked, not served on).
+    :param v_head_dim: the value width per head (likewise)."""
 
     arch: str
     name: str
     num_heads: int
     index_topk: int
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -88,24 +106,25 @@ def _architectures(cfg: Any, where: str) -> tuple[str, ...]:
     return tuple(archs)
 
 
-def _count(cfg: Any, key: str, bound: int, fallback: int | None, where: str, arch: str) -> int:
-    """A positive int field; absent: ``fallback`` (the profile's value), else 0 (see :class:`ModelFacts`)."""
+def _count(cfg: Any, key: str, bound: int, fallback: int | None, where: str, arch: str, least: int = 1) -> int:
+    """An int field in ``[least, bound]``; absent: ``fallback`` (the profile's value), else 0 (see
+    :class:`ModelFacts`)."""
     value = _get(cfg, key)
     if value is _ABSENT:
         return fallback or 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-        profile_hint = f", or remove it to use the {arch} profile's {fallback}" if fallback else ""
-        raise _bad_value(where, key, value, f"an integer from 1 to {bound} (not a bool, float or string)",
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= bound:
+        profile_hint = f", or remove it to use the {arch} profile's {fallback}" if fallback is not None else ""
+        raise _bad_value(where, key, value, f"an integer from {least} to {bound} (not a bool, float or string)",
                          f"set {key} to the model's value{profile_hint}")
     return value
 
 
 def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str | None = None) -> ModelFacts:
-    """Read arch, heads and index top-k from a HF config dict or ``PretrainedConfig``.
+    """Read arch, heads, index top-k and the MLA widths from a HF config dict or ``PretrainedConfig``.
 
-    A missing ``num_attention_heads`` or ``index_topk`` falls back to the matched profile's value
-    (older exports omit ``index_topk``); a present one must be an int within :data:`MAX_HEADS` /
-    :data:`MAX_INDEX_TOPK`. For an object, a None attribute counts as missing.
+    A missing ``num_attention_heads``, ``index_topk`` or width (:data:`GEOMETRY_KEYS`) falls back
+    to the matched profile's value (older exports omit ``index_topk``); a present one must be an
+    int within its bounds. For an object, a None attribute counts as missing.
 
     :param source: how messages name the config (the file's path); ``name``'s HF config by default.
     :raises ConfigError: no or malformed ``architectures``; a present count of the wrong type or range.
@@ -115,7 +134,11 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     profile = registry.by_arch.get(arch)
     heads = _count(cfg, "num_attention_heads", MAX_HEADS, profile.num_heads if profile else None, where, arch)
     topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, profile.index_topk if profile else None, where, arch)
-    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk)
+    geometry = {
+        key: _count(cfg, key, MAX_HEAD_WIDTH, getattr(profile, key, None) if profile else None, where, arch, least)
+        for key, least in GEOMETRY_KEYS.items()
+    }
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
@@ -147,4 +170,5 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
                 "pass a local model directory or a listed name",
             )
         )
-    return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk)
+    return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk,
+                      kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .engines import ENGINES
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
 from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
@@ -80,7 +81,8 @@ def envelope_reasons(
     if spec.max_tokens is not None and max_tokens is not None and max_tokens > spec.max_tokens:
         reasons.append(f"{phase} may see {max_tokens} tokens a call, kernel takes <= {spec.max_tokens}")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
-        reasons.append("not CUDA-graph safe and decode is captured in CUDA graphs (--enforce-eager allows it)")
+        reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
+                       f"({ENGINES[ctx.engine].eager_flag} allows it)")
     if spec.envelope is not None and not reasons:
         try:
             reasons.extend(str(r) for r in spec.envelope(ctx, phase, profile))
@@ -149,7 +151,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
             format_error(
                 f"{ctx.describe()}: {ctx.model_arch} is not a DeepSeek-Sparse-Attention model this plugin serves",
                 f"model_arch in {archs}",
-                "serve this model without --attention-backend CUSTOM, or install a plugin with a profile for it",
+                f"serve this model without {ENGINES[ctx.engine].enable_flag}, or install a plugin with a profile for it",
             )
         )
     refusals = reg.validate(ctx, profile)
@@ -250,15 +252,16 @@ def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
 
 def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
     """The fixes that apply to this refusal only, most direct first."""
+    engine = ENGINES[ctx.engine]
     fixes = []
     if ctx.prefill_kernel != AUTO or ctx.decode_kernel != AUTO:
         fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one listed as able to run")
     if ctx.kv_cache_dtype != FP8_DS_MLA and any(r.startswith("reads kv_cache_dtype") for r in reasons):
-        fixes.append(f"use --kv-cache-dtype {FP8_DS_MLA} for the kernels that read only the fp8 cache")
+        fixes.append(f"use {engine.fp8_flag} for the kernels that read only the fp8 cache")
     if any("pip install" in r for r in reasons):
         fixes.append("install what a probe above reports missing")
     if any(r.startswith("not CUDA-graph safe") for r in reasons):
-        fixes.append("run with --enforce-eager, or install a graph-safe kernel")
+        fixes.append(f"run with {engine.eager_flag}, or install a graph-safe kernel")
     if not fixes:
         fixes.append("change the combination to one a kernel above supports (each rejection says what it needs)")
     return "; ".join(fixes)

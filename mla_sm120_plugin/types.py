@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
-from .kernels.layout import KV_LAYOUTS, SCALE_FORMATS
+from .kernels.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -297,6 +297,12 @@ class SelectionContext:
     :param tensor_parallel_size: the engine's TP size (``num_heads`` is already divided by it).
     :param features: engine features switched on that change how the cache is written or top-k
         is read (``"hisparse"``, ``"dcp"``, ...); the built-in policy refuses those no kernel reads.
+    :param engine: the engine decided for (a key of :data:`mla_sm120_plugin.engines.ENGINES`):
+        whose flags and spellings messages use.
+    :param kv_cache_dtype_given: the ``--kv-cache-dtype`` value as the user wrote it for that
+        engine (``kv_cache_dtype`` is the layout it means); None when the engine default applied.
+    :param kv_lora_rank: the model's latent width (its config's ``kv_lora_rank``).
+    :param qk_rope_head_dim: the model's RoPE width (its config's ``qk_rope_head_dim``).
     """
 
     model_arch: str
@@ -314,6 +320,10 @@ class SelectionContext:
     forced_by: str = "config"
     tensor_parallel_size: int = 1
     features: frozenset[str] = frozenset()
+    engine: str = "vllm"
+    kv_cache_dtype_given: str | None = None
+    kv_lora_rank: int = KV_LORA_RANK
+    qk_rope_head_dim: int = ROPE_DIM
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
@@ -322,9 +332,11 @@ class SelectionContext:
         return self.max_prefill_tokens if phase == PREFILL else self.max_decode_tokens
 
     def describe(self) -> str:
-        """The combination, as every selection error names it."""
+        """The combination, as every selection error names it (the KV dtype as the user spelled it)."""
+        given = self.kv_cache_dtype_given
+        kv = self.kv_cache_dtype if given in (None, self.kv_cache_dtype) else f"{given} ({self.kv_cache_dtype} layout)"
         return (
-            f"model_arch={self.model_arch}, sm={self.device.sm}, kv_cache_dtype={self.kv_cache_dtype}, "
+            f"model_arch={self.model_arch}, sm={self.device.sm}, kv_cache_dtype={kv}, "
             f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size}), index_topk={self.index_topk}, "
             f"prefill_impl={self.prefill_kernel}, decode_impl={self.decode_kernel}"
         )

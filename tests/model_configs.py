@@ -15,8 +15,10 @@ TINY = dict(
 )
 
 
-def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = None) -> str:
-    """Save a tiny HF config (no weights) of ``kind`` ("glm", "dsv32", "llama") and return its directory."""
+def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = None, **changes) -> str:
+    """Save a tiny HF config (no weights) of ``kind`` ("glm", "dsv32", "llama") and return its directory.
+
+    ``changes`` override config fields (``kv_lora_rank=256``); they name the directory too."""
     from transformers import DeepseekV32Config, GlmMoeDsaConfig, LlamaConfig
 
     if kind == "glm":
@@ -32,6 +34,9 @@ def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = 
                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
         cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"
-    path = os.path.join(str(root), f"{kind}_topk{index_topk}_h{heads}")
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    suffix = "".join(f"_{key}{value}" for key, value in sorted(changes.items()))
+    path = os.path.join(str(root), f"{kind}_topk{index_topk}_h{heads}{suffix}")
     cfg.save_pretrained(path)
     return path

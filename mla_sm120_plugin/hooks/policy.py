@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..kernels.layout import FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM
+from ..engines import ENGINES
+from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM
 from ..types import ModelProfile, Refusal, SelectionContext
 from .specs import hookimpl
 
@@ -18,13 +19,6 @@ from .specs import hookimpl
 # FlashInfer's datacenter kernels) are faster and maintained upstream, so the plugin refuses
 # other families even where its Triton kernel could run.
 SERVED_SM_FAMILIES = frozenset({12})
-
-# What the engines serve DSA models with on the families the plugin leaves to them.
-ENGINE_BACKENDS = {
-    9: "vLLM: FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90; SGLang: flashmla_sparse / flashmla_kv",
-    10: "vLLM: FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE; SGLang: flashmla_sparse / flashmla_kv / trtllm",
-}
-_ENGINE_BACKENDS_OTHER = "vLLM's and SGLang's own attention backends"
 
 # Engine features that change how the cache is written or how top-k ids are read; no kernel here
 # reads their layout. Each maps to why, for the message.
@@ -34,26 +28,21 @@ FEATURE_REASONS = {
     "index_kpool": "an indexer k-pool over 1 returns pooled top-k ids, not token slots",
     "skip_softmax": "skip-softmax changes the attention output the kernels compute",
 }
-_FEATURE_FLAGS = {
-    "hisparse": "drop the HiSparse attention config (vLLM: attention_config.hisparse_config)",
-    "dcp": "set the decode context parallel size to 1",
-    "index_kpool": "leave the indexer k-pool at 1",
-    "skip_softmax": "turn skip-softmax off",
-}
 
 SERVED_DEVICE = "an NVIDIA SM120/SM121 GPU (the SM12x family: RTX 50xx, RTX PRO 6000 Blackwell, DGX Spark)"
-ENABLE_FLAG = "--attention-backend CUSTOM (vLLM) or the plugin's --dsa-*-backend choices (SGLang)"
+# The widths every kernel here reads: a 512-wide latent and a 64-wide rope (576-wide q/k rows).
+SERVED_GEOMETRY = {"kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM}
 
 
 def _device_refusal(ctx: SelectionContext) -> Refusal | None:
     dev = ctx.device
     if dev.vendor == "nvidia" and dev.sm_family in SERVED_SM_FAMILIES:
         return None
+    engine = ENGINES[ctx.engine]
     if dev.vendor == "nvidia":
         label = f"sm_{dev.sm_major}{dev.sm_minor}"
-        backends = ENGINE_BACKENDS.get(dev.sm_family, _ENGINE_BACKENDS_OTHER)
-        fix = (f"on {label} serve without this plugin: drop {ENABLE_FLAG}; the engine's own sparse-MLA "
-               f"backends serve DSA models there ({backends})")
+        fix = (f"on {label} serve without this plugin: drop {engine.enable_flag}; {engine.label}'s own sparse-MLA "
+               f"backends serve DSA models there ({engine.own_backends(dev.sm_family)})")
         return Refusal(f"device {label}: this plugin serves SM12x only", SERVED_DEVICE, fix)
     where = "a ROCm GPU" if dev.vendor == "amd" else "no GPU (CPU)"
     return Refusal(
@@ -63,35 +52,58 @@ def _device_refusal(ctx: SelectionContext) -> Refusal | None:
     )
 
 
-def kv_dtype_fix(kv: str) -> str:
-    """How to name a KV cache dtype the kernels read, given the unreadable ``kv``."""
-    if kv.startswith("fp8"):
+def kv_dtype_fix(kv: str, engine: str = "vllm") -> str:
+    """How to name, in ``engine``'s flags, a KV cache dtype the kernels read, given the unreadable ``kv``."""
+    words = ENGINES[engine]
+    if kv.startswith("fp8") and engine == "vllm":
         # vLLM canonicalises fp8 -> fp8_ds_mla only for its own backends, by name.
-        return (f"pass --kv-cache-dtype {FP8_DS_MLA} (the 656-byte DSA layout); plain {kv} is not rewritten "
-                "for a plugin backend (SGLang's fp8_e4m3 is that layout: plan for it with mla-sm120 check "
-                "--engine sglang)")
-    return f"pass --kv-cache-dtype {FP8_DS_MLA}, or auto/bfloat16 for a bf16 cache"
+        return (f"pass {words.fp8_flag} (the 656-byte DSA layout); plain {kv} is not rewritten for a plugin "
+                "backend (SGLang's fp8_e4m3 is that layout: plan for SGLang with mla-sm120 check --engine sglang)")
+    return f"pass {words.fp8_flag} (the 656-byte DSA layout), or {words.bf16_flag} for a bf16 cache"
+
+
+def _geometry_refusal(ctx: SelectionContext) -> Refusal | None:
+    model = {"kv_lora_rank": ctx.kv_lora_rank, "qk_rope_head_dim": ctx.qk_rope_head_dim}
+    wrong = {key: value for key, value in model.items() if value != SERVED_GEOMETRY[key]}
+    if not wrong:
+        return None
+    given = ", ".join(f"{key}={value}" for key, value in wrong.items())
+    nope = " (a rope-less NoPE layout, as GLM-5.3-Flash's, is not served yet)" if ctx.qk_rope_head_dim == 0 else ""
+    return Refusal(
+        f"model geometry {given}{nope}: the kernels read caches of a {KV_LORA_RANK}-wide fp8/bf16 latent plus a "
+        f"{ROPE_DIM}-wide rope (q/k {KV_LORA_RANK + ROPE_DIM} wide); this model writes other rows",
+        ", ".join(f"{key}={value}" for key, value in SERVED_GEOMETRY.items()) + " (GLM-5, DeepSeek-V3.2)",
+        f"serve this model without {ENGINES[ctx.engine].enable_flag}, or check that the model's config.json "
+        "is its own (a copied GLM-5/DeepSeek-V3.2 config edited by hand?)",
+    )
 
 
 @hookimpl
 def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> Iterator[Refusal]:
     """SM family, engine features, KV layout and model geometry: the rules every engine shares."""
+    engine = ENGINES[ctx.engine]
     device = _device_refusal(ctx)
     if device is not None:
         yield device
     if ctx.kv_cache_dtype not in KV_LAYOUTS:
+        spelled = ctx.kv_cache_dtype_given or ctx.kv_cache_dtype
         yield Refusal(
-            f"kv_cache_dtype {ctx.kv_cache_dtype}: no kernel reads that layout",
-            f"{FP8_DS_MLA} (656 B a token: fp8 latent + fp32 scales + bf16 rope) or bf16",
-            kv_dtype_fix(ctx.kv_cache_dtype),
+            f"kv_cache_dtype {spelled}: no kernel reads that layout",
+            f"{engine.spelling(FP8_DS_MLA)} (656 B a token: fp8 latent + fp32 scales + bf16 rope) or "
+            f"{engine.spelling(BF16)}",
+            kv_dtype_fix(spelled, ctx.engine),
         )
     for feature in sorted(ctx.features):
         yield Refusal(
             f"{feature} is on: {FEATURE_REASONS.get(feature, 'an engine feature this plugin does not know')}",
             "the standard DSA cache and top-k path",
-            f"{_FEATURE_FLAGS.get(feature, f'turn {feature} off')}, or serve with the engine's own sparse-MLA backend",
+            f"{engine.feature_flags.get(feature, f'turn {feature} off')}, or serve without {engine.enable_flag} "
+            f"({engine.label}'s own sparse-MLA backends)",
         )
-    if profile is not None and (profile.kv_lora_rank, profile.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
+    geometry = _geometry_refusal(ctx)
+    if geometry is not None:
+        yield geometry
+    elif profile is not None and (profile.kv_lora_rank, profile.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
         yield Refusal(
             f"profile {profile.name} has kv_lora_rank={profile.kv_lora_rank}, qk_rope_head_dim="
             f"{profile.qk_rope_head_dim}: the kernels read {KV_LORA_RANK}+{ROPE_DIM}-wide caches",

@@ -67,11 +67,15 @@ def test_sm90_is_refused_with_the_text_check_prints(tmp_path, capability):
     model = write_model(tmp_path, "glm")
     with pytest.raises(UnsupportedConfiguration) as err:
         _resolve(model, kv_cache_dtype="fp8_e4m3")
-    res = run_cli("check", "--model", model, "--sm", "9.0", "--kv-cache-dtype", "fp8_ds_mla")
+    res = run_cli("check", "--engine", "sglang", "--model", model, "--sm", "9.0", "--kv-cache-dtype", "fp8_e4m3")
     assert res.returncode == 2
     cli_message = res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")
-    assert cli_message.splitlines()[1:] == str(err.value).splitlines()[1:]
+    assert cli_message == str(err.value)
+    # In SGLang's words: its spelling of the cache, its opt-in flag, its own backends.
+    assert "kv_cache_dtype=fp8_e4m3 (fp8_ds_mla layout)" in cli_message.splitlines()[0]
     assert "device sm_90: this plugin serves SM12x only" in cli_message
+    assert "drop --mla-sm120;" in cli_message and "--attention-backend" not in cli_message
+    assert "flashmla_sparse" in cli_message and "FLASHMLA_SPARSE" not in cli_message
 
 
 def test_the_seeds_flashmla_kv_is_refused_before_weights_and_served_without_it(tmp_path, capability, monkeypatch):
@@ -169,3 +173,93 @@ def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypat
     assert differ == {"device"}, differ  # where the device came from: planned (--sm) or SGLang's GPU
     assert from_sglang.device.sm == from_check.device.sm == "12.1"
     assert (from_sglang.kv_scale_format, from_sglang.num_heads, from_sglang.index_topk) == ("arbitrary", 16, 1024)
+
+
+@pytest.mark.parametrize("cap", [(8, 9), (9, 0), (10, 0), (12, 0), (12, 1)])
+def test_auto_means_what_sglang_resolves_it_to(tmp_path, capability, cap):
+    """SGLang turns --kv-cache-dtype auto into fp8_e4m3 (SM >= 10) or bfloat16 for DSA models before
+    any hook sees it; the plugin's reading of auto (check --engine sglang) is the same."""
+    from mla_sm120_plugin.engines import SGLANG
+
+    capability(*cap)
+    sa = _server_args(write_model(tmp_path, "glm"), kv_cache_dtype="auto")
+    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
+    sglang_says = overrides._dsa_kv_cache_dtype_default(view).get("kv_cache_dtype", "auto")
+    assert SGLANG.kv_layout("auto", cap[0]) == SGLANG.kv_layout(sglang_says, cap[0])
+
+
+def test_check_plans_auto_as_sglang_does(tmp_path):
+    import json
+
+    model = write_model(tmp_path, "glm")
+    for sm, layout_ in (("12.0", "fp8_ds_mla"), ("12.1", "fp8_ds_mla")):
+        res = run_cli("check", "--engine", "sglang", "--model", model, "--sm", sm, "--kv-cache-dtype", "auto", "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["kv_cache_dtype"] == layout_
+    # vLLM's auto with the CUSTOM backend stays the model's bf16.
+    res = run_cli("check", "--model", model, "--sm", "12.0", "--kv-cache-dtype", "auto", "--json")
+    assert json.loads(res.stdout)["kv_cache_dtype"] == "bf16"
+
+
+def test_check_speaks_sglang_for_a_model_it_does_not_serve(tmp_path):
+    res = run_cli("check", "--engine", "sglang", "--model", write_model(tmp_path, "llama"), "--sm", "12.0")
+    assert res.returncode == 2
+    assert "serve this model without --mla-sm120" in res.stderr and "--attention-backend" not in res.stderr
+    res = run_cli("check", "--engine", "sglang", "--model", "glm-5", "--sm", "12.0", "--kv-cache-dtype", "fp8_e5m2")
+    assert res.returncode == 2
+    assert "kv_cache_dtype fp8_e5m2: no kernel reads" in res.stderr
+    assert "fix: pass --kv-cache-dtype fp8_e4m3" in res.stderr and "fp8_ds_mla" not in res.stderr.split("fix:")[1]
+
+
+SCHEDULER_PROBE = """
+import multiprocessing, sys, torch
+
+
+def scheduler(model_path):
+    # A spawned child, as SGLang starts its schedulers: plugins loaded afresh, the launcher's
+    # environment inherited, SGLang's logging configured first (run_scheduler_process).
+    import torch
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import configure_logger
+    torch.cuda.get_device_capability = lambda *a, **k: (12, 0)
+    sa = ServerArgs(model_path=model_path, skip_tokenizer_init=True, kv_cache_dtype="bfloat16", disable_cuda_graph=True)
+    configure_logger(sa, prefix=" TP0")
+    from sglang.kernels.ops.attention import flash_mla_sm120
+    flash_mla_sm120._validate_flashinfer_sparse_mla_backend(
+        model_arch="GlmMoeDsaForCausalLM", device_sm_major=12, kv_cache_dtype=torch.bfloat16,
+        prefill_impl="flashinfer_sparse_mla", decode_impl="flashinfer_sparse_mla")
+
+
+if __name__ == "__main__":
+    torch.cuda.get_device_capability = lambda *a, **k: (12, 0)  # the GPU this CPU stands in for
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.server_args import ServerArgs
+    sa = ServerArgs(model_path=sys.argv[1], skip_tokenizer_init=True, kv_cache_dtype="bfloat16", disable_cuda_graph=True)
+    overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)  # the launcher decides
+    child = multiprocessing.get_context("spawn").Process(target=scheduler, args=(sys.argv[1],))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+"""
+
+
+def test_a_fresh_scheduler_shows_both_lines_with_sglangs_logging(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    model = write_model(tmp_path, "glm", index_topk=100, heads=5)
+    probe = tmp_path / "launcher.py"  # a file: spawned children re-import their parent's main module
+    probe.write_text(SCHEDULER_PROBE)
+    res = subprocess.run([sys.executable, str(probe), model], capture_output=True, text=True,
+                         timeout=600, env=clean_env(MLA_SM120_SGLANG="1", TRITON_INTERPRET="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    console = (res.stdout + res.stderr).splitlines()
+    scheduler = [line for line in console if line.startswith("[") and " TP0]" in line]
+    assert any("mla_sm120: model=" in line for line in scheduler), console[-20:]
+    assert any("mla_sm120: self-check: decode=" in line for line in scheduler), console[-20:]

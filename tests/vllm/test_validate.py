@@ -188,3 +188,22 @@ def test_config_is_read_once_per_process(tmp_path, monkeypatch):
     for _ in range(3):
         assert decide(make_vllm_config(model, enforce_eager=True), "fp8_ds_mla", 12, 0).decode == TRITON
     assert len(reads) == 1
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(kv_lora_rank=256), "model geometry kv_lora_rank=256"),
+    (dict(qk_rope_head_dim=0), "model geometry qk_rope_head_dim=0 (a rope-less NoPE layout"),
+])
+def test_the_models_own_geometry_is_checked_before_weights_load(tmp_path, change, needle):
+    """vLLM's hf_text_config is read, not the profile: a GLM-5 config with another latent or rope width
+    is refused with check's lines."""
+    from helpers import run_cli
+
+    model = write_model(tmp_path, "glm", **change)
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _validate(make_vllm_config(model))
+    assert needle in str(err.value)
+    res = run_cli("check", "--model", model, "--sm", "12.0")
+    assert res.returncode == 2 and needle in res.stderr
+    assert _lines_after_combination(res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")) == \
+        _lines_after_combination(str(err.value))

@@ -1,0 +1,123 @@
+"""What each engine calls things: its KV-cache spellings, its flags, its own backends.
+
+A refusal must speak the language of the engine the user runs: vLLM users opt in with
+``--attention-backend CUSTOM`` and ask for the 656-byte DSA cache with ``fp8_ds_mla``; SGLang
+users opt in with ``--mla-sm120`` and call the same bytes ``fp8_e4m3``. Every message, and the
+context builder's reading of ``--kv-cache-dtype``, takes these words from one :class:`Engine`
+per engine, so ``mla-sm120 check --engine X`` and engine X say the same thing.
+
+Pure Python: nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .kernels.layout import BF16, FP8_DS_MLA, SCALE_ARBITRARY
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's vocabulary and the facts about it the decision depends on.
+
+    :param name: the key (``"vllm"``, ``"sglang"``), as ``mla-sm120 check --engine`` takes it.
+    :param label: how messages name it.
+    :param kv_spellings: ``--kv-cache-dtype`` values -> the cache layout they mean for a DSA model
+        (other values pass through, and the policy refuses them naming :attr:`fp8_flag`).
+    :param auto_fp8_from_sm: ``auto`` means the fp8 layout on NVIDIA SM families from this one up
+        (SGLang resolves it so before any plugin sees it); None: ``auto`` is the model's bf16.
+    :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
+        fact rather than the model's (SGLang: amax/448 for every model); None: the model's.
+    :param enable_flag: how the plugin is switched on.
+    :param fp8_flag: how to ask for the 656-byte fp8 DSA layout.
+    :param bf16_flag: how to ask for a bf16 cache.
+    :param kernel_flags: how a kernel is forced per phase.
+    :param decode_bound: the settings that bound the tokens of one decode call.
+    :param eager_flag: how CUDA graphs are switched off.
+    :param native_backends: SM family -> the engine's own sparse-MLA backends there.
+    :param feature_flags: engine feature (see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`)
+        -> how to switch it off.
+    """
+
+    name: str
+    label: str
+    kv_spellings: Mapping[str, str]
+    enable_flag: str
+    fp8_flag: str
+    bf16_flag: str
+    kernel_flags: str
+    decode_bound: str
+    eager_flag: str
+    native_backends: Mapping[int, str] = field(default_factory=dict)
+    feature_flags: Mapping[str, str] = field(default_factory=dict)
+    auto_fp8_from_sm: int | None = None
+    scale_format: str | None = None
+
+    def kv_layout(self, value: str | None, sm_family: int | None) -> str:
+        """The layout ``--kv-cache-dtype value`` gives a DSA model on a GPU of ``sm_family``."""
+        if value is None or str(value) == "auto":
+            fp8 = self.auto_fp8_from_sm is not None and sm_family is not None and sm_family >= self.auto_fp8_from_sm
+            return FP8_DS_MLA if fp8 else BF16
+        return self.kv_spellings.get(str(value), str(value))
+
+    def spelling(self, layout: str) -> str:
+        """The engine's own name for ``layout`` (its first spelling that means it)."""
+        return next((word for word, meant in self.kv_spellings.items() if meant == layout), layout)
+
+    def own_backends(self, sm_family: int | None) -> str:
+        """The engine's own sparse-MLA backends on ``sm_family``."""
+        return self.native_backends.get(sm_family, f"{self.label}'s own attention backends")
+
+
+_SHARED_SPELLINGS: Mapping[str, str] = {BF16: BF16, "bfloat16": BF16}
+
+VLLM = Engine(
+    name="vllm",
+    label="vLLM",
+    # vLLM calls the packed DSA layout fp8_ds_mla; its fp8/fp8_e4m3 are a plain fp8 cache, which
+    # vLLM rewrites to fp8_ds_mla only for its in-tree backends (by name), never for CUSTOM.
+    kv_spellings={FP8_DS_MLA: FP8_DS_MLA, **_SHARED_SPELLINGS},
+    enable_flag="--attention-backend CUSTOM",
+    fp8_flag=f"--kv-cache-dtype {FP8_DS_MLA}",
+    bf16_flag="--kv-cache-dtype auto (or bfloat16)",
+    kernel_flags="--additional-config '{\"mla_sm120\": {\"prefill_kernel\": ..., \"decode_kernel\": ...}}'",
+    decode_bound="--max-num-seqs x (1 + --num-speculative-tokens)",
+    eager_flag="--enforce-eager",
+    native_backends={
+        9: "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90",
+        10: "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE",
+    },
+    feature_flags={
+        "hisparse": "drop the HiSparse attention config (attention_config.hisparse_config)",
+        "dcp": "set --decode-context-parallel-size 1",
+    },
+)
+
+SGLANG = Engine(
+    name="sglang",
+    label="SGLang",
+    # SGLang's DSA pool packs fp8 latent + fp32 scales + bf16 rope under the name fp8_e4m3.
+    kv_spellings={"fp8_e4m3": FP8_DS_MLA, FP8_DS_MLA: FP8_DS_MLA, **_SHARED_SPELLINGS, "bf16": BF16},
+    enable_flag="--mla-sm120",
+    fp8_flag="--kv-cache-dtype fp8_e4m3",
+    bf16_flag="--kv-cache-dtype bfloat16",
+    kernel_flags="--dsa-prefill-backend / --dsa-decode-backend (or --mla-sm120-config)",
+    decode_bound="--max-running-requests x --speculative-num-draft-tokens",
+    eager_flag="--disable-cuda-graph",
+    native_backends={
+        9: "--dsa-*-backend flashmla_sparse / flashmla_kv",
+        10: "--dsa-*-backend flashmla_sparse / flashmla_kv / trtllm",
+    },
+    feature_flags={
+        "hisparse": "drop --enable-hisparse",
+        "dcp": "set --dcp-size 1",
+        "index_kpool": "use a model whose indexer k-pool is 1",
+        "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
+    },
+    # _dsa_kv_cache_dtype_default: auto -> fp8_e4m3 for DSA models on SM >= 10 (no learnable sinks).
+    auto_fp8_from_sm=10,
+    scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model
+)
+
+ENGINES: Mapping[str, Engine] = {engine.name: engine for engine in (VLLM, SGLANG)}
