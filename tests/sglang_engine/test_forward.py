@@ -181,3 +181,79 @@ def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
     assert "mla_sm120" not in str(err.value)
     assert any("flashinfer" in (frame.filename or "") for frame in __import__("traceback").extract_tb(err.tb)), \
         "SGLang's own call did not reach FlashInfer"
+
+
+# ------------------------------------------------- what SGLang's call site hands the kernels
+
+
+def _spy_on_bound_kernels(seen: list) -> None:
+    from mla_sm120_plugin.kernels.binding import BoundKernel
+
+    state = hooks.bound_state()
+    for phase, bound in list(state.kernels.items()):
+        def fn(q, kv_cache, indices, _inner=bound.fn, **kwargs):
+            seen.append((q, kv_cache, indices, kwargs))
+            return _inner(q, kv_cache, indices, **kwargs)
+
+        state.kernels[phase] = BoundKernel(bound.name, fn, bound.takes_scale_format, bound.needs_scale_format,
+                                           bound.graph_safe)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("entry, mode, num_tokens", [
+    ("forward_decode", ForwardMode.DECODE, 5),
+    ("forward_extend", ForwardMode.EXTEND, 70),  # a prefill over 64 tokens: FlashInfer's prefill path
+])
+def test_the_call_site_hands_every_binding_64_row_pages(tmp_path, capability, monkeypatch, kv, entry, mode,
+                                                        num_tokens):
+    from mla_sm120_plugin.kernels import api, flashinfer
+
+    _decide(tmp_path, capability, monkeypatch, kv)
+    gen = torch.Generator().manual_seed(3)
+    cache, dim = _sglang_cache(kv, gen)
+    q = torch.randn(num_tokens, HEADS, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    slots, lengths = _sglang_slots(num_tokens, gen)
+    seen: list = []
+    _spy_on_bound_kernels(seen)
+    _through_sglang(getattr(hooks, f"around_{entry}"), mode, q, cache, dim, slots, lengths, 0.1)
+    ((q_k, cache_k, indices_k, kwargs),) = seen
+    assert cache_k.dim() == 3 and cache_k.shape[1] == layout.PAGE_SIZE and cache_k.data_ptr() == cache.data_ptr()
+    api._validate(q_k, cache_k, indices_k, sm_scale=kwargs["sm_scale"], kv_layout=kwargs["kv_layout"],
+                  topk_length=kwargs["topk_length"], page_size=layout.PAGE_SIZE, out=None, return_lse=False,
+                  lse_base="e", sink=None, scale_format=kwargs.get("scale_format"))
+    if kv == "fp8_e4m3":
+        flashinfer.check_inputs(q_k, cache_k, indices_k, topk_length=kwargs["topk_length"], require_cuda=False)
+
+
+def test_lengths_for_other_rows_are_not_used(tmp_path, capability, monkeypatch):
+    """SGLang drops its per-row lengths when their count differs from q's rows (DP/CP padding);
+    a kernel given them would read past the shorter tensor."""
+    _decide(tmp_path, capability, monkeypatch, "fp8_e4m3")
+    gen = torch.Generator().manual_seed(5)
+    cache, dim = _sglang_cache("fp8_e4m3", gen)
+    q = torch.randn(5, HEADS, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    slots, lengths = _sglang_slots(5, gen)
+    out = _through_sglang(hooks.around_forward_decode, ForwardMode.DECODE, q, cache, dim, slots, lengths[:3], 0.1)
+    rows = cache.view(torch.uint8).view(-1, dim)
+    full_width = triton_sparse_mla(q, rows, slots, sm_scale=0.1, kv_layout=layout.FP8_DS_MLA)
+    assert torch.equal(out, full_width)
+
+
+def test_sglangs_flashinfer_workspace_is_not_allocated(tmp_path, capability, monkeypatch):
+    import inspect
+
+    from sglang.kernels.ops.attention import flash_mla_sm120
+    from sglang.srt.runtime_context import get_buffer
+
+    # The name SGLang's DSA backend takes its FlashInfer workspace under, right after the validator.
+    assert f'"{hooks.WORKSPACE_BUFFER}"' in inspect.getsource(DeepseekSparseAttnBackend.__init__)
+    _decide(tmp_path, capability, monkeypatch, "fp8_e4m3")
+    assert flash_mla_sm120._validate_flashinfer_sparse_mla_backend(
+        model_arch="GlmMoeDsaForCausalLM", device_sm_major=12, kv_cache_dtype=torch.float8_e4m3fn,
+        prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE) is True
+
+    def allocate():
+        raise AssertionError("SGLang's 384 MiB workspace was allocated")
+
+    workspace = get_buffer(hooks.WORKSPACE_BUFFER, allocate)
+    assert workspace is not None and workspace.numel() == 0

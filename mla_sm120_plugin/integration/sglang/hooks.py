@@ -9,10 +9,15 @@ Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.
   call site, which the next hooks serve.
 - ``_validate_flashinfer_sparse_mla_backend`` (AROUND, each scheduler, in the DSA backend's
   constructor): replaces SGLang's GLM-only check with the launcher's decision, binds the kernels,
-  self-checks them and logs one line per process.
+  self-checks them and logs one line per process. Right after it returns, the constructor takes
+  its FlashInfer workspace from SGLang's named buffers (``get_buffer``, :data:`WORKSPACE_BUFFER`,
+  ``SGLANG_FLASHINFER_WORKSPACE_SIZE``: 384 MiB a GPU); no kernel of the plugin reads it (the
+  FlashInfer binding keeps its own wrapper's scratch), so the hook claims that name first with an
+  empty buffer.
 - ``flashinfer_sparse_mla_forward`` (AROUND): runs the bound kernel of the current phase on
-  SGLang's cache (``[slots, 1, 656]`` fp8 bytes or ``[slots, 1, 576]`` bf16) with SGLang's
-  top-k slots and lengths.
+  SGLang's cache (``[slots, 1, 656]`` fp8 bytes or ``[slots, 1, 576]`` bf16, viewed as the 64-row
+  pages every kernel binding takes) with SGLang's top-k slots, and its per-row lengths when they
+  match q's rows (SGLang's own rule: it drops them otherwise).
 - ``DeepseekSparseAttnBackend.forward_decode`` / ``forward_extend`` (AROUND): say which phase a
   call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
 
@@ -49,6 +54,9 @@ RESOLUTION = "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution"
 VALIDATOR = "sglang.kernels.ops.attention.flash_mla_sm120._validate_flashinfer_sparse_mla_backend"
 CALL = "sglang.kernels.ops.attention.flash_mla_sm120.flashinfer_sparse_mla_forward"
 DECODE_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
+# SGLang's named persistent buffer for the DSA call site's FlashInfer workspace, and where it lives.
+WORKSPACE_BUFFER = "dsa_flashinfer_sparse_mla_workspace"
+BUFFERS = "sglang.srt.runtime_context.get_buffer"
 EXTEND_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"
 
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
@@ -142,7 +150,18 @@ def around_validator(original_fn: Callable[..., bool], *args: Any, **kwargs: Any
     if not enabled():
         return original_fn(*args, **kwargs)
     bound_state()
-    return True  # SGLang allocates its FlashInfer workspace and routes to the call site
+    _claim_workspace()
+    return True  # SGLang routes both phases to the call site the plugin serves
+
+
+def _claim_workspace() -> None:
+    """Give SGLang's FlashInfer workspace name an empty buffer before its constructor allocates one."""
+    import torch
+
+    from ...kernels.selfcheck import engine_device
+
+    get_buffer = pkgutil.resolve_name(BUFFERS)
+    get_buffer(WORKSPACE_BUFFER, lambda: torch.empty(0, dtype=torch.uint8, device=engine_device()))
 
 
 def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices: Any, seq_lens: Any,
@@ -151,7 +170,7 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
 
     q: [T, H, 576] bfloat16; kv_cache: [slots, 1, 656] float8_e4m3fn bytes or [slots, 1, 576]
     bfloat16; indices: [T, topk] int32 global slots, -1 padded; seq_lens: [T] int32 valid top-k
-    entries a row. Returns [T, H, 512] bfloat16.
+    entries a row, or rows of another count (then unused). Returns [T, H, 512] bfloat16.
     """
     if not enabled():
         return original_fn(q, kv_cache, indices, seq_lens, workspace_buffer, **kwargs)
@@ -162,8 +181,11 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
             "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR"))
     state = bound_state()
     phase = _phase.get() or (DECODE if q.shape[0] <= DECODE_TOKENS_MAX else PREFILL)
-    return state.kernels[phase].call(q, state.rows(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
-                                     kv_layout=state.kv_layout, topk_length=seq_lens,
+    # SGLang's metadata rows should match q's; where they do not (DP/CP padding), SGLang runs its
+    # kernels without lengths (full width: -1 padding is masked anyway), and so do we.
+    lengths = seq_lens if seq_lens is not None and seq_lens.shape[0] == q.shape[0] else None
+    return state.kernels[phase].call(q, state.pages(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
+                                     kv_layout=state.kv_layout, topk_length=lengths,
                                      scale_format=state.scale_format)
 
 
@@ -188,7 +210,7 @@ def around_forward_extend(original_fn: Callable[..., Any], *args: Any, **kwargs:
     return _in_phase(DECODE if as_decode else PREFILL, original_fn, *args, **kwargs)
 
 
-HOOKS: dict[str, Callable[..., Any]] = {
+HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook on it (BUFFERS is read, not hooked)
     RESOLUTION: around_resolution,
     VALIDATOR: around_validator,
     CALL: around_call,
@@ -264,13 +286,20 @@ class BoundState:
     kv_layout: str
     scale_format: str
 
-    def rows(self, kv_cache: Any) -> Any:
-        """SGLang's ``[slots, 1, C]`` pool buffer as the flat ``[slots, C]`` rows the kernels index."""
+    def pages(self, kv_cache: Any) -> Any:
+        """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
+
+        SGLang's DSA pool holds whole pages (it views the buffer as ``[-1, page_size, C]`` itself,
+        with a physical page size of 64, 64 x index_kpool logical); a buffer that is not whole
+        64-row pages is refused with the sizes.
+        """
         import torch
 
+        from ...kernels.pack import page_view
+
         if self.kv_layout == FP8_DS_MLA:
-            return kv_cache.view(torch.uint8).reshape(-1, FP8_DS_MLA_TOKEN_BYTES)
-        return kv_cache.reshape(-1, HEAD_DIM)
+            return page_view(kv_cache.view(torch.uint8).reshape(-1, FP8_DS_MLA_TOKEN_BYTES))
+        return page_view(kv_cache.reshape(-1, HEAD_DIM))
 
 
 def bound_state() -> BoundState:
