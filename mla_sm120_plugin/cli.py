@@ -9,17 +9,62 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from typing import Any, Sequence
 
 from .errors import MlaSm120Error
+from .files import printable
 
 EXIT_OK = 0
 EXIT_UNSERVABLE = 2
 
 DESCRIPTION = "mla-sm120: check a deployment, inspect this machine, benchmark the kernels."
 PLAN_FIX = "plan for the GPU you will run on: --sm 12.0 (RTX 50xx / RTX PRO 6000) or --sm 12.1 (DGX Spark)"
+
+
+def _emit(text: str, stream: Any = None) -> None:
+    """Write one block of output: undecodable path/environment bytes escaped, and a reader that went
+    away (``| head -1``) ends the output quietly instead of with a BrokenPipeError traceback."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        stream.write(printable(text) + "\n")
+    except BrokenPipeError:
+        _silence(stream)
+    else:
+        _flush(stream)
+
+
+def _flush(stream: Any) -> None:
+    """Flush ``stream``; a reader that went away silences it instead of raising."""
+    try:
+        stream.flush()
+    except BrokenPipeError:
+        _silence(stream)
+
+
+def _silence(stream: Any) -> None:
+    # Python flushes stdout once more at exit and would report the broken pipe then: point the
+    # descriptor at /dev/null so nothing is left to fail.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def _printable_tree(value: Any) -> Any:
+    """``value`` with every string made :func:`~mla_sm120_plugin.files.printable` (for JSON)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_printable_tree(k): _printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable_tree(v) for v in value]
+    return value
+
+
+def _json(value: Any) -> str:
+    return json.dumps(_printable_tree(value), indent=2)
 
 
 def _check_device(sm: str | None) -> Any:
@@ -42,7 +87,9 @@ def _check_device(sm: str | None) -> Any:
 
 def _check(args: argparse.Namespace) -> int:
     from .context import EngineLimits, build_context, plugin_config
+    from .engines import ENGINES
     from .hooks.manager import get_registry
+    from .kernels.layout import FP8_DS_MLA
     from .modelinfo import resolve_model
     from .selection import decision_to_dict, explain, select
 
@@ -58,10 +105,10 @@ def _check(args: argparse.Namespace) -> int:
         cuda_graphs=not args.enforce_eager,
         engine=args.engine,
     )
-    ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), args.kv_cache_dtype,
-                        limits)
+    kv_cache_dtype = args.kv_cache_dtype or ENGINES[args.engine].spelling(FP8_DS_MLA)
+    ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), kv_cache_dtype, limits)
     decision = select(ctx, registry=reg)
-    print(json.dumps(decision_to_dict(decision), indent=2) if args.json else explain(decision))
+    _emit(_json(decision_to_dict(decision)) if args.json else explain(decision))
     return EXIT_OK
 
 
@@ -214,42 +261,45 @@ def _doctor(args: argparse.Namespace) -> int:
     if checks is not None:
         report["self_check"] = checks
     if args.json:
-        print(json.dumps(report, indent=2))
+        _emit(_json(report))
         return EXIT_UNSERVABLE if failed else EXIT_OK
-    print(f"python      {report['python']}")
+    lines: list[str] = []
+    out = lines.append  # the report is one block, written once through _emit
+    out(f"python      {report['python']}")
     for dist, ver in report["packages"].items():
-        print(f"{dist:<18} {ver or 'not installed'}")
+        out(f"{dist:<18} {ver or 'not installed'}")
     d = report["device"]
-    print(f"device      {d['vendor']} sm={d['sm']} {d['name']} cuda={d['cuda_version'] or '?'} [{d['source']}]")
-    print("plugins:")
+    out(f"device      {d['vendor']} sm={d['sm']} {d['name']} cuda={d['cuda_version'] or '?'} [{d['source']}]")
+    out("plugins:")
     for name, label in report["plugins"].items():
         took = report["plugin_import_seconds"].get(name)
         timing = "" if took is None else f"  imported in {took:.2f} s"
         if name in report["slow_plugins"]:
             timing += f" (SLOW: over {SLOW_IMPORT_S} s, paid by every check and engine process)"
-        print(f"  {name:<22} {label}{timing}")
+        out(f"  {name:<22} {label}{timing}")
     for name in report["blocked_plugins"]:
-        print(f"  {name:<22} BLOCKED by MLA_SM120_DISABLE_PLUGINS")
-    print("model profiles:")
+        out(f"  {name:<22} BLOCKED by MLA_SM120_DISABLE_PLUGINS")
+    out("model profiles:")
     for p in report["model_profiles"]:
-        print(f"  {p['name']:<16} {', '.join(p['architectures'])}  [{p['provider']}]")
-    print("kernels:")
+        out(f"  {p['name']:<16} {', '.join(p['architectures'])}  [{p['provider']}]")
+    out("kernels:")
     for k in report["kernels"]:
         status = "can run here" if k["can_run_here"] else "cannot run here: " + "; ".join(k["reasons"])
-        print(f"  {k['name']:<24} prio {k['priority']:<4} {status}  [{k['provider']}]")
+        out(f"  {k['name']:<24} prio {k['priority']:<4} {status}  [{k['provider']}]")
     for fault in report["faults"]:
-        print("FAULT: " + fault.replace("\n", "\n       "))
+        out("FAULT: " + fault.replace("\n", "\n       "))
     if checks is not None:
-        print(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
+        out(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
               f"on {checks[0]['device'] if checks else '-'}; max error as a fraction of the output's magnitude):")
-        print(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'max error':>10} {'tolerance':>10} {'time':>8}  result")
+        out(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'max error':>10} {'tolerance':>10} {'time':>8}  result")
         for c in checks:
             cache = c["kv_layout"] + (f"/{c['scale_format']}" if c["scale_format"] else "")
             err = f"{c['max_error']:.2e}" if c["max_error"] is not None else "-"
-            print(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} {err:>10} "
+            out(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} {err:>10} "
                   f"{c['tolerance']:>10.0e} {c['seconds']:>7.2f}s  {'ok' if c['passed'] else 'FAILED: ' + c['error']}")
         if not checks:
-            print("  no kernel can run on this machine")
+            out("  no kernel can run on this machine")
+    _emit("\n".join(lines))
     return EXIT_UNSERVABLE if failed else EXIT_OK
 
 
@@ -281,7 +331,7 @@ def _bench(args: argparse.Namespace) -> int:
                 state = (f"{v['registers']:>3} regs  spill {v['spill_bytes']:>4} B  shared {v['shared_bytes']:>6} B"
                          if v["compiled"] else f"FAILED: {v['error']}")
                 lines.append(f"  {v['variant']:<90} {state}")
-            print("\n".join(lines))
+            _emit("\n".join(lines))
         ok = result["all_compiled"] and result["max_spill_bytes"] == 0 and (
             result["max_shared_bytes"] <= result["shared_limit_bytes"])
     else:
@@ -291,7 +341,7 @@ def _bench(args: argparse.Namespace) -> int:
         text = json.dumps(result, indent=2)
         ok = True
     if args.json or not args.compile_only:
-        print(text)
+        _emit(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
@@ -330,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--engine", choices=ENGINES, default="vllm",
                        help="the engine you will serve with: its --kv-cache-dtype spellings and how its cache "
                             "writer stores fp8 scales (SGLang: amax/448 for every model) (default vllm)")
-    check.add_argument("--kv-cache-dtype", default="fp8_ds_mla",
-                       help="fp8_ds_mla (default), bf16/auto, or what you pass the engine (SGLang: fp8_e4m3)")
+    check.add_argument("--kv-cache-dtype",
+                       help="what you pass the engine: vLLM fp8_ds_mla (default) or auto/bfloat16; SGLang fp8_e4m3 "
+                            "(default), bfloat16, or auto (SGLang's fp8 on SM >= 10)")
     check.add_argument("--prefill-kernel", help="force a prefill kernel (auto or a kernel name)")
     check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
     check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
@@ -365,13 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # A last resort for text printable() does not cover (argparse's own messages): escape,
+        # never raise, whatever the locale's encoding.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:  # --help, --version, usage errors: argparse printed and exits
+        _flush(sys.stdout)
+        raise
     try:
         return args.func(args)
     except MlaSm120Error as exc:
         if getattr(args, "json", False):
-            print(json.dumps({"servable": False, "error": type(exc).__name__, "message": str(exc)}, indent=2))
-        print(f"mla-sm120 {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            _emit(_json({"servable": False, "error": type(exc).__name__, "message": str(exc)}))
+        _emit(f"mla-sm120 {args.command}: {type(exc).__name__}: {exc}", sys.stderr)
         return EXIT_UNSERVABLE
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import sys
 from typing import Any
@@ -59,10 +60,22 @@ _NOT_REGULAR = (
 )
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\udc([89a-f][0-9a-f])")
+
+
+def printable(text: str) -> str:
+    """``text`` with bytes that were not valid UTF-8 (Python keeps them in paths, ``sys.argv`` and
+    ``os.environ`` as lone surrogates) written as ``\\xNN``: printable under any locale, valid in JSON."""
+    if text.isascii() or not any(0xDC80 <= ord(c) <= 0xDCFF for c in text):
+        return text
+    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else c for c in text)
+
+
 def short_repr(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters; never raises (huge ints, deep nesting)."""
     try:
-        text = repr(value)
+        # repr() spells an undecodable byte (a lone surrogate) \udcNN; write it as printable() does.
+        text = _SURROGATE_ESCAPE.sub(r"\\x\1", repr(value))
     except (ValueError, RecursionError):  # an int over the int-str limit; a self-nested value
         text = f"<{type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
