@@ -1,4 +1,5 @@
-"""Portable Triton sparse-MLA kernel: reads fp8_ds_mla or bf16 pages directly, dequantizes in-kernel.
+"""Portable (exact) Triton sparse-MLA kernel: reads fp8_ds_mla or bf16 pages directly, dequantizes
+in-kernel. Its fp8-MMA sibling, :mod:`.triton_fast`, shares the launch machinery below.
 
 Same semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla` (FACTS.md section 4).
 
@@ -10,14 +11,21 @@ program loads serves all heads of its block.
 * Prefill (many tokens): one split, so the program writes the final output directly.
 * Decode (few tokens): top-k is cut into splits so that enough programs exist to fill the GPU; each
   writes a normalized fp32 partial output and its base-2 LSE, and :func:`_combine_kernel` merges them.
+  The split count comes from the configuration table in :mod:`.triton_plan` (its rule and the
+  traffic model it is chosen by are there).
+
+Latency. Each step loads the next step's slot ids by hand, so the row gathers of a step depend only
+on the previous iteration and Triton's pipeliner issues them as asynchronous copies a step ahead
+(it cannot pipeline a gather whose indices load in the same iteration: triton#4721). A slot's page
+comes from a host-computed multiply-shift (:func:`page_divisor`), not a runtime division.
 
 Registers. The 576-wide head is never held whole: the scores are summed over the four 128-wide
 latent tiles plus the 64-wide rope tile, and the output is four ``[BLOCK_H, 128]`` fp32
 accumulators. q is *not* kept in registers across the loop: a 16-row slab of a 576-wide bf16 q
 is 144 registers per thread in every warp that multiplies with it, which is what made the first
 version spill. Each step reloads its q tile (from L1; the cache bytes dominate the traffic), and
-the value tiles are re-read after the softmax (the same bytes as the key tiles, an L1 hit)
-instead of keeping a ``BLOCK_K`` x 512 key block live through it.
+the value tiles are loaded apart from the (transposed) key tiles (the same bytes, an L2 hit)
+instead of keeping a ``BLOCK_K`` x 512 key block live through the softmax.
 
 Numerics. Dot operands are bfloat16 on a GPU (fp8 keys and bf16 rope/cache/q convert exactly;
 the probabilities round to 8 bits) with fp32 accumulation; each 128-wide tile's fp8 scale is
@@ -48,6 +56,7 @@ import triton
 import triton.language as tl
 
 from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels import triton_plan as plan
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -60,14 +69,12 @@ _ROPE: tl.constexpr = tl.constexpr(layout.ROPE_DIM)
 _SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
 _ROPE_OFF_FP8: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET)
 
-DEFAULT_NUM_SMS = 170  # RTX 5090; used when no CUDA device can be asked (CPU interpreter)
-MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
-BLOCK_K = 32  # candidates a loop step reads; see launch_config for why not more
 # Arguments Triton must not specialize on (it compiles a separate variant for every int equal to 1
 # or divisible by 16): the runtime flags and their strides, and sizes that are only compared,
 # never used to align an address (a flat cache's page_size and a one-step split are 1).
 _UNSPECIALIZED_MAIN = ("topk_len_stride", "has_topk_len", "sink_stride", "has_sink", "write_lse",
-                       "page_size", "num_slots", "topk", "num_heads", "blocks_per_split")
+                       "page_magic", "page_shift", "page_size", "num_slots", "topk", "num_heads",
+                       "blocks_per_split")
 _UNSPECIALIZED_COMBINE = ("sink_stride", "has_sink", "write_lse", "num_heads", "num_splits")
 
 
@@ -80,53 +87,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How one call is cut into programs.
-
-    block_h: heads a program handles (tl.dot needs >= 16 rows), padded and masked
-    block_k: candidates a loop step handles
-    num_splits: top-k ranges per (token, head block); 1 is the prefill path
-    blocks_per_split: ``block_k`` steps in each range
-    num_warps: warps a program runs
-    num_stages: software-pipelining depth of the candidate loop
-    """
-
-    block_h: int
-    block_k: int
-    num_splits: int
-    blocks_per_split: int
-    num_warps: int = 8
-    num_stages: int = 2
+# One block shape for every head count, chosen from the compile gate's numbers (Triton 3.8,
+# sm_120a, fp8_ds_mla): 16 heads x 32 candidates in 8 warps uses 134 registers and 57 KB of shared
+# memory (the double-buffered row gathers), no spills, one CTA per SM; 4 warps, 64 candidates or
+# 32 heads a block all spill, even with 16 warps. More than 16 heads means several head blocks reading the same candidates (the repeat
+# comes from L2, and from 64 heads per rank on the call is compute bound). The split count comes
+# from the configuration table in :mod:`.triton_plan` (its rule and traffic model are there).
+BLOCK_H = plan.EXACT.block_h
+BLOCK_K = plan.EXACT.block_k
+NUM_WARPS = plan.EXACT.num_warps
+NUM_STAGES = plan.EXACT.num_stages
+MAX_SPLITS = plan.MAX_SPLITS
+LaunchConfig = plan.LaunchConfig
 
 
-# One block shape for every head count, chosen from the compile gate's ptxas numbers (Triton 3.8,
-# sm_120a, fp8_ds_mla): 16 heads x 32 candidates in 8 warps uses ~175 registers and 27 KB of
-# shared memory, no spills; 4 warps, 64 candidates or 32 heads a block all spill, even with 16
-# warps. More than 16 heads means several head blocks reading the same candidates (the repeat
-# comes from L2, and from 64 heads per rank on the call is compute bound).
-BLOCK_H = 16
-BLOCK_K = 32
-NUM_WARPS = 8
-NUM_STAGES = 2
-
-
-@functools.lru_cache(maxsize=4096)
-def launch_config(num_tokens: int, num_heads: int, topk: int, num_sms: int) -> LaunchConfig:
-    """Pick the split count, deterministically (no autotuning at serve time).
-
-    The (token, head block) programs alone fill ``programs`` slots; if that is under two waves of
-    ``num_sms`` we cut top-k into ``ceil(2 * num_sms / programs)`` splits, at most one per
-    ``block_k`` step and at most :data:`MAX_SPLITS`. Empty splits are avoided by recomputing the
-    count from the steps per split. Many tokens therefore get one split (prefill path), few tokens many.
-    """
-    num_k_blocks = _cdiv(max(topk, 1), BLOCK_K)
-    programs = num_tokens * _cdiv(num_heads, BLOCK_H)
-    wanted = _cdiv(2 * num_sms, max(programs, 1))
-    splits = max(1, min(wanted, num_k_blocks, MAX_SPLITS))
-    blocks_per_split = _cdiv(num_k_blocks, splits)
-    splits = _cdiv(num_k_blocks, blocks_per_split)
-    return LaunchConfig(BLOCK_H, BLOCK_K, splits, blocks_per_split, NUM_WARPS, NUM_STAGES)
+def launch_config(num_tokens: int, num_heads: int, topk: int, family: str = plan.DEFAULT_FAMILY) -> LaunchConfig:
+    """The exact kernel's config for one call, from :func:`.triton_plan.launch_config`'s table
+    (deterministic: no autotuning at serve time). Few tokens get several splits, many get one."""
+    return plan.launch_config(plan.EXACT.name, num_tokens, num_heads, topk, family)
 
 
 def launch_variants() -> list[LaunchConfig]:
@@ -135,7 +113,7 @@ def launch_variants() -> list[LaunchConfig]:
     ``num_splits`` and ``blocks_per_split`` are runtime values (not specialized), so these two
     stand for every config it returns.
     """
-    return [LaunchConfig(BLOCK_H, BLOCK_K, splits, 2, NUM_WARPS, NUM_STAGES) for splits in (1, 2)]
+    return [plan.EXACT.config(splits, 2) for splits in (1, 2)]
 
 
 @triton.jit
@@ -159,6 +137,27 @@ def _q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, cols):
 def _kv_tile(kv_ptr, row_off, valid, cols):
     """Cache elements ``cols`` of each candidate: [BLOCK_K, width] in the cache's dtype, 0 when invalid."""
     return tl.load(kv_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _kv_tile_t(kv_ptr, row_off, valid, cols):
+    """The same elements transposed: [width, BLOCK_K], candidates along the columns."""
+    return tl.load(kv_ptr + row_off[None, :] + cols[:, None], mask=valid[None, :], other=0.0)
+
+
+@triton.jit
+def _slot_ids(idx_ptr, idx_row, pos, length):
+    """A step's raw slot ids ([BLOCK_K] int32); -1 at positions past ``length``."""
+    return tl.load(idx_ptr + idx_row + pos, mask=pos < length, other=-1)
+
+
+@triton.jit
+def _row_offset(slot, page_magic, page_shift, page_size, page_stride, row_stride):
+    """Cache offset of each (valid, >= 0) slot's row: page by a multiply-shift (the host computes
+    the magic number, :func:`page_divisor`), where a runtime integer division costs registers
+    enough to spill; int64 offsets for caches over 2 GiB."""
+    page = (slot.to(tl.int64) * page_magic) >> page_shift
+    return page * page_stride + (slot.to(tl.int64) - page * page_size) * row_stride
 
 
 @triton.jit
@@ -205,7 +204,7 @@ def _finalize(
 @triton.jit(do_not_specialize=_UNSPECIALIZED_MAIN)
 def _sparse_mla_kernel(
     q_ptr, q_stride_t, q_stride_h,
-    kv_ptr, page_stride, row_stride, page_size, num_slots,
+    kv_ptr, page_stride, row_stride, page_magic, page_shift, page_size, num_slots,
     idx_ptr, idx_stride_t, topk,
     topk_len_ptr, topk_len_stride, has_topk_len,
     sink_ptr, sink_stride, has_sink,
@@ -219,7 +218,13 @@ def _sparse_mla_kernel(
 
     Cache offsets (``page_stride``, ``row_stride``, the per-candidate ``row_off``) are in elements
     of ``kv_ptr``: bytes of a uint8 fp8_ds_mla cache, read through three typed views of the same
-    pointer (fp8 latent, fp32 scales, bf16 rope), or elements of a bfloat16 cache.
+    pointer (fp8 latent, fp32 scales, bf16 rope), or elements of a bfloat16 cache. A slot's page is
+    ``slot * page_magic >> page_shift`` (:func:`page_divisor`).
+
+    Each step loads the next step's slot ids, so every row address of a step is known one
+    iteration ahead and Triton's pipeliner turns the row gathers into asynchronous copies issued a
+    step early; the key tiles of the scores are loaded already transposed ([width, BLOCK_K]), the
+    form it accepts for an fp8 tile that is widened before the dot.
     """
     if IS_FP8:
         kv_lat = kv_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -250,28 +255,28 @@ def _sparse_mla_kernel(
     acc2 = tl.zeros([BLOCK_H, _TILE], tl.float32)
     acc3 = tl.zeros([BLOCK_H, _TILE], tl.float32)
 
-    k_start = split * (blocks_per_split * BLOCK_K)
-    for step in range(blocks_per_split):
-        pos = k_start + step * BLOCK_K + tl.arange(0, BLOCK_K)
-        in_row = pos < length
-        slot = tl.load(idx_ptr + tok * idx_stride_t + pos, mask=in_row, other=-1)
-        valid = in_row & (slot >= 0) & (slot < num_slots)
-        slot = tl.where(valid, slot, 0)
-        # int32 division (slots < 2**31), int64 offsets (caches over 2 GiB).
-        row_off = (slot // page_size).to(tl.int64) * page_stride + (slot % page_size).to(tl.int64) * row_stride
+    pos = split * (blocks_per_split * BLOCK_K) + tl.arange(0, BLOCK_K)
+    next_slot = _slot_ids(idx_ptr, tok * idx_stride_t, pos, length)
+    for _ in range(blocks_per_split):
+        slot = next_slot
+        # Positions past topk_length were loaded as -1, so the slot alone says what is valid.
+        valid = (slot >= 0) & (slot < num_slots)
+        row_off = _row_offset(tl.where(valid, slot, 0), page_magic, page_shift, page_size, page_stride, row_stride)
+        pos += BLOCK_K
+        next_slot = _slot_ids(idx_ptr, tok * idx_stride_t, pos, length)  # one step ahead, by hand
 
         sc0 = _scale(kv_f32, row_off, valid, 0, IS_FP8)
         sc1 = _scale(kv_f32, row_off, valid, 1, IS_FP8)
         sc2 = _scale(kv_f32, row_off, valid, 2, IS_FP8)
         sc3 = _scale(kv_f32, row_off, valid, 3, IS_FP8)
         s = _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col),
-                 tl.trans(_kv_tile(kv_lat, row_off, valid, col)), DOT_BF16) * sc0[None, :]
+                 _kv_tile_t(kv_lat, row_off, valid, col), DOT_BF16) * sc0[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE),
-                  tl.trans(_kv_tile(kv_lat, row_off, valid, col + _TILE)), DOT_BF16) * sc1[None, :]
+                  _kv_tile_t(kv_lat, row_off, valid, col + _TILE), DOT_BF16) * sc1[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE),
-                  tl.trans(_kv_tile(kv_lat, row_off, valid, col + 2 * _TILE)), DOT_BF16) * sc2[None, :]
+                  _kv_tile_t(kv_lat, row_off, valid, col + 2 * _TILE), DOT_BF16) * sc2[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE),
-                  tl.trans(_kv_tile(kv_lat, row_off, valid, col + 3 * _TILE)), DOT_BF16) * sc3[None, :]
+                  _kv_tile_t(kv_lat, row_off, valid, col + 3 * _TILE), DOT_BF16) * sc3[None, :]
         if IS_FP8:
             rope = _kv_tile(kv_rope, (row_off + _ROPE_OFF_FP8) // 2, valid, rope_col)
         else:
@@ -359,11 +364,6 @@ def _combine_kernel(
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def triton_sparse_mla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -396,6 +396,23 @@ def triton_sparse_mla(
                 sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None)
 
 
+def num_slots(kv_cache: torch.Tensor) -> int:
+    """Global slots a paged ([P, page, W]) or flat ([S, W]) cache holds."""
+    return kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
+
+
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``slot * magic >> shift == slot // page_size`` for every slot in
+    ``[0, 2**31)``: ``shift = 31 + ceil(log2 page_size)``, ``magic = ceil(2**shift / page_size)``.
+
+    Exact: with ``magic * page_size = 2**shift + e``, ``0 <= e < page_size <= 2**(shift - 31)``,
+    the product overshoots ``slot / page_size`` by ``slot * e / (page_size * 2**shift) < 1 /
+    page_size``, less than the distance to the next integer; and ``slot * magic < 2**63``.
+    """
+    shift = 31 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
+
+
 def _cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int]:
     """(page_size, page stride, row stride) in the cache's elements; a flat cache is 1-row pages."""
     if kv_cache.dim() == 3:
@@ -414,6 +431,7 @@ class Launch:
     num_warps: warps a program runs
     num_stages: software-pipelining depth
     describe: the variant as the compile report names it (dtypes and constexpr values)
+    maxnreg: register cap for ptxas, or None
     """
 
     kernel: object
@@ -423,9 +441,21 @@ class Launch:
     num_warps: int
     num_stages: int
     describe: dict
+    maxnreg: int | None = None
+
+    def run(self) -> None:
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages, **extra)
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def partial_dtype(cfg: LaunchConfig) -> torch.dtype:
+    """The torch dtype of ``cfg``'s split partials."""
+    return _PARTIAL_DTYPES[cfg.partial_dtype]
 # The combine kernel reads only fp32 partials; 16 heads x 512 columns in 4 warps keeps it far
 # from spilling, whatever head block the main kernel used.
 COMBINE_BLOCK_H = 16
@@ -457,7 +487,7 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         dest_lse, dest_lse_strides = (lse, (lse.stride(0), 0, lse.stride(1))) if lse is not None else (out, (0, 0, 0))
     else:
         dest = torch.empty(num_tokens, cfg.num_splits, num_heads, layout.KV_LORA_RANK,
-                           dtype=torch.float32, device=q.device)  # [T, S, H, 512] partials
+                           dtype=partial_dtype(cfg), device=q.device)  # [T, S, H, 512] partials
         dest_lse = torch.empty(num_tokens, cfg.num_splits, num_heads, dtype=torch.float32, device=q.device)  # [T, S, H]
         dest_strides, dest_lse_strides = dest.stride()[:3], dest_lse.stride()
     main = Launch(
@@ -465,7 +495,7 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         grid=(num_tokens, head_blocks, cfg.num_splits),
         args=(
             q, q.stride(0), q.stride(1),
-            kv_cache, page_stride, row_stride, page_size, kv_cache.shape[0] * page_size,
+            kv_cache, page_stride, row_stride, *page_divisor(page_size), page_size, kv_cache.shape[0] * page_size,
             indices, indices.stride(0), indices.shape[1],
             topk_length if has_len else indices, topk_length.stride(0) if has_len else 0, int(has_len),
             sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(final and has_sink),
@@ -483,30 +513,51 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
     )
     if final:
         return [main]
-    lse_arg = lse if lse is not None else dest_lse
-    combine = Launch(
+    return [main, combine_launch(dest, dest_lse, sink=sink, out=out, lse=lse, lse_scale=lse_scale)]
+
+
+def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launch:
+    """The combine of ``partials`` ([T, S, H, 512], fp32 or bf16) and their base-2 LSE ([T, S, H])
+    into ``out`` (and ``lse``, times ``lse_scale``, when given); shared by both Triton kernels."""
+    num_tokens, num_splits, num_heads, _ = partials.shape
+    has_sink = sink is not None
+    lse_arg = lse if lse is not None else partial_lse
+    return Launch(
         kernel=_combine_kernel,
         grid=(num_tokens, _cdiv(num_heads, COMBINE_BLOCK_H)),
         args=(
-            dest, *dest.stride()[:3],
-            dest_lse, *dest_lse.stride(),
-            sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(has_sink),
+            partials, *partials.stride()[:3],
+            partial_lse, *partial_lse.stride(),
+            sink if has_sink else partials, sink.stride(0) if has_sink else 0, int(has_sink),
             out, out.stride(0), out.stride(1),
             lse_arg, lse_arg.stride(0), lse_arg.stride(-1), int(lse is not None), lse_scale,
-            num_heads, cfg.num_splits,
+            num_heads, num_splits,
         ),
         constexprs=dict(BLOCK_H=COMBINE_BLOCK_H),
         num_warps=COMBINE_WARPS,
         num_stages=COMBINE_STAGES,
-        describe=dict(kernel="combine", out=_DTYPE_NAMES[out.dtype], block_h=COMBINE_BLOCK_H, warps=COMBINE_WARPS,
-                      stages=COMBINE_STAGES),
+        describe=dict(kernel="combine", part=_DTYPE_NAMES[partials.dtype], out=_DTYPE_NAMES[out.dtype],
+                      block_h=COMBINE_BLOCK_H, warps=COMBINE_WARPS, stages=COMBINE_STAGES),
     )
-    return [main, combine]
+
+
+@functools.lru_cache(maxsize=None)
+def _family(device_index: int) -> str:
+    return plan.family_of(*torch.cuda.get_device_capability(device_index))
 
 
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
          config: LaunchConfig | None):
     """:func:`triton_sparse_mla` with an optional forced :class:`LaunchConfig` (tests use it)."""
+    return run_plan(launch_plan, plan.EXACT, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
+                    topk_length=topk_length, sink=sink, out=out, return_lse=return_lse, lse_base=lse_base,
+                    config=config)
+
+
+def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_scale, kv_layout, topk_length,
+             sink, out, return_lse, lse_base, config: LaunchConfig | None):
+    """Allocate what a call returns, pick its config (``config`` or the table's for ``kernel`` on
+    this device's family) and run the launches ``make_plan`` (a ``launch_plan``) returns."""
     num_tokens, num_heads, _ = q.shape
     device = q.device
     # The kernels index the last dim of q, indices and out with stride 1.
@@ -515,9 +566,9 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     if out is not None and out.stride(-1) != 1:
-        result = _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
-                      topk_length=topk_length, sink=sink, out=None, return_lse=return_lse,
-                      lse_base=lse_base, config=config)
+        result = run_plan(make_plan, kernel, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
+                          topk_length=topk_length, sink=sink, out=None, return_lse=return_lse,
+                          lse_base=lse_base, config=config)
         out.copy_(result[0] if return_lse else result)
         return (out, result[1]) if return_lse else out
     if out is None:
@@ -526,11 +577,9 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
     if num_tokens == 0:
         return (out, lse) if return_lse else out
     interpret = _interpreting() or device.type == "cpu"
-    num_sms = DEFAULT_NUM_SMS if device.type != "cuda" else _num_sms(device.index or 0)
-    cfg = config or launch_config(num_tokens, num_heads, indices.shape[1], num_sms)
-    for launch in launch_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
-                              topk_length=topk_length, sink=sink, out=out, lse=lse, lse_base=lse_base,
-                              cfg=cfg, interpret=interpret):
-        launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                                   num_stages=launch.num_stages)
+    family = plan.DEFAULT_FAMILY if device.type != "cuda" else _family(device.index or 0)
+    cfg = config or plan.launch_config(kernel.name, num_tokens, num_heads, indices.shape[1], family)
+    for launch in make_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
+                            sink=sink, out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret):
+        launch.run()
     return (out, lse) if return_lse else out

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICE, ON_GPU, assert_kernel_close
+from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels import layout, sparse_mla_forward
 from mla_sm120_plugin.kernels import triton as tk
@@ -191,7 +191,7 @@ def test_no_read_past_any_storage(kv_layout, num_splits):
     """Every tensor (q, cache, indices, stride-0 topk_length and sink) placed against an unreadable
     page, in a child process: a read past any storage kills it with SIGSEGV."""
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("guarded_call.py")), kv_layout,
-                           str(num_splits)], capture_output=True, text=True, timeout=300)
+                           str(num_splits)], capture_output=True, text=True, timeout=300, env=clean_env())
     assert done.returncode == 0, f"rc={done.returncode} (-11 is SIGSEGV): {done.stderr[-2000:]}"
 
 
@@ -232,12 +232,32 @@ def test_inputs_the_kernel_cannot_serve_are_refused(make_case, what):
         sparse_mla_forward(case.q, kv_cache, case.indices, **args)
 
 
-def test_launch_config_splits_few_tokens_and_not_many():
-    decode = tk.launch_config(num_tokens=1, num_heads=16, topk=2048, num_sms=170)
-    prefill = tk.launch_config(num_tokens=4096, num_heads=128, topk=2048, num_sms=170)
+def test_page_divisor_is_exact_division():
+    """The kernels find a slot's page by a multiply-shift; it must equal slot // page_size for every
+    slot in [0, 2**31) (checked at the slots where an error would show: around multiples)."""
+    top = 2**31 - 1
+    for page_size in list(range(1, 300)) + [641, 1000, 4096, 65_536, 100_003, 2**20 + 7, 2**30, top]:
+        magic, shift = tk.page_divisor(page_size)
+        near = [k * page_size + d for k in (1, 2, 3, top // page_size - 1, top // page_size) for d in (-1, 0, 1)]
+        for slot in [0, 1, page_size - 1, page_size, top, *near]:
+            if 0 <= slot <= top:
+                assert slot * magic < 2**63 and (slot * magic) >> shift == slot // page_size, (page_size, slot)
+
+
+@pytest.mark.parametrize("page_size", [48, 1])
+def test_page_sizes_not_a_power_of_two(make_case, page_size):
+    case = make_case(page_pad=48, page_size=page_size, num_pages=150 // page_size + 1, num_tokens=2, num_heads=5,
+                     topk=60)
+    _assert_matches(*_run_both(case, DECODE))
+
+
+@pytest.mark.parametrize("family", ["sm120", "sm121", "sm90"])
+def test_launch_config_splits_few_tokens_and_not_many(family):
+    decode = tk.launch_config(num_tokens=1, num_heads=16, topk=2048, family=family)
+    prefill = tk.launch_config(num_tokens=4096, num_heads=128, topk=2048, family=family)
     assert decode.num_splits > 1 and prefill.num_splits == 1
     for tokens, heads, topk in [(1, 1, 1), (1, 16, 2048), (3, 5, 100), (64, 64, 2048), (1, 128, 37)]:
-        cfg = tk.launch_config(tokens, heads, topk, 170)
+        cfg = tk.launch_config(tokens, heads, topk, family)
         blocks = -(-topk // cfg.block_k)
         # Every split has work, and together they cover every block exactly once.
         assert (cfg.num_splits - 1) * cfg.blocks_per_split < blocks <= cfg.num_splits * cfg.blocks_per_split

@@ -1,0 +1,358 @@
+"""Fast Triton sparse-MLA kernel for the ``fp8_ds_mla`` cache: fp8 MMAs on the cache's own e4m3 bytes.
+
+Same contract as :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (its docstring, and
+``sparse_mla_forward``'s, describe every argument); only the numerics differ, by design. A bf16
+cache is delegated to that exact kernel.
+
+Numerics (what FlashInfer's SM120 kernels do, written for Triton):
+
+* q is quantized on-chip, per (head, 128-wide latent tile), to e4m3 with a power-of-two scale
+  ``2 ** ceil(log2(amax / 448))``; a power of two applies exactly, so it rides in the MMA's own
+  block scale (``tl.dot_scaled``, e8m0, one per 32 elements).
+* The latent dots multiply the stored e4m3 key bytes as they are. The per-(token, tile) fp32 key
+  scale - arbitrary (GLM) or a power of two (DeepSeek-V3.2), the kernel need not know which -
+  multiplies the fp32 partial scores of its tile.
+* The 64-wide rope part stays a bf16 x bf16 dot (the cache stores it in bf16).
+* For the value dots, each tile's fp32 value scale is folded into the probabilities, which are
+  then quantized to e4m3 per (head, step) with a power-of-two scale chosen from an upper bound
+  that costs no row reduction: ``max_j p[h, j] = exp2(rowmax(s) - m)`` (known from the online
+  softmax) times the step's largest value scale over the four tiles (:func:`_p_exponent`). That
+  scale, too, rides in the MMA's block scale.
+* Accumulation is fp32. Split partials are bf16 (normalized rows, so 2**-9 of a value's
+  magnitude), the LSE fp32 and base 2.
+
+Why ``tl.dot_scaled`` for every fp8 MMA: on GeForce SM120 plain fp8 ``mma.sync``
+(``QMMA.16832.F32.E4M3.E4M3``) runs at half the 8-bit rate; the block-scaled form
+(``QMMA.SF.16832.F32.E4M3.E4M3.E8``) runs at full rate and, with unit scales, returns the same
+products (triton#11320). The scales that are exact powers of two (q's, p's) are given to it; the
+cache's scales, which need not be, are applied in fp32 (4 multiplies of a [16, 32] tile a step).
+
+Rounding. A GPU's fp32 -> e4m3 cast rounds to nearest even; the interpreter's truncates. So the
+kernel rounds every value it quantizes itself, in fp32 arithmetic (:func:`_round_e4m3`), before
+the cast, which is then exact on both. The interpreter runs this same code, ``tl.dot_scaled``
+included (it multiplies the exactly-representable e4m3 values and their scales in fp32): the CPU
+tests check the real fp8 numerics, and :data:`TOLERANCE` states them.
+
+Memory. One program handles one token, 16 heads and one range of top-k candidates, 32 a step.
+Each step loads the *next* step's slot ids by hand; since every row address of a step then comes
+from the previous iteration, Triton's software pipeliner (``num_stages=2``) turns the row and
+scale gathers into asynchronous copies (``LDGSTS``) issued one step ahead - which it cannot do for
+a gather whose indices are loaded in the same iteration (triton#4721). The key tile is loaded
+already transposed ([128, 32]: dims down, candidates across), the form the pipeliner accepts as an
+fp8 MMA operand; the value tile is its own load of the same bytes (an L2 hit; DRAM reads them
+once). A slot's page comes from a multiply-shift, not a runtime division (which alone cost
+enough registers to spill), and ``topk_length`` acts only through the slot-id load.
+
+Occupancy. 8 warps of 128 registers and 48.6 KB of shared memory: two CTAs per SM on sm_120a and
+sm_121a (65,536 registers, 100 KB of shared memory an SM). ptxas picks 128 registers itself (an
+explicit ``maxnreg=128`` made it spill); :mod:`~mla_sm120_plugin.kernels.compile_gate` fails any
+variant that gets fewer than two CTAs an SM, spills, or runs its latent dots without QMMA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels import triton as exact
+from mla_sm120_plugin.kernels import triton_plan as plan
+from mla_sm120_plugin.kernels.triton import _dot, _finalize, _row_offset, _slot_ids
+
+# Kernel vs the torch reference: the largest error, as a fraction of the largest |reference| value
+# (how tests/helpers.assert_kernel_close reads it). q and p are rounded to e4m3, 3 fraction bits:
+# up to 2**-4 relative on each factor. A score error of a few hundredths moves the softmax weights
+# by as many percent, and the worst single output element of the adversarial test cases (peaked
+# softmax, tiles of 0.5x-4x gain, 1-2048 candidates) is off by up to 6.8 % of the output's largest
+# value (lse: 3.3 %), measured under the interpreter, which runs these numerics exactly; a torch
+# emulation of the same scheme in exact arithmetic shows the same 6.3-6.5 %, so this is the
+# format's error, not the kernel's. 8e-2 covers that plus a GPU's approximate exp2 and summation
+# order, and stays an order of magnitude below what a wrong per-tile scale costs (~100 %).
+# test_triton_fast.py also pins the numerics themselves: under the interpreter the kernel equals a
+# torch emulation of its rounding to 1e-5.
+TOLERANCE = 8e-2
+
+_NOPE: tl.constexpr = tl.constexpr(layout.KV_LORA_RANK)
+_TILE: tl.constexpr = tl.constexpr(layout.FP8_TILE)
+_ROPE: tl.constexpr = tl.constexpr(layout.ROPE_DIM)
+_SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
+_ROPE_OFF: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET)
+_E4M3_MAX: tl.constexpr = tl.constexpr(layout.FP8_E4M3_MAX)
+_INV_E4M3_MAX: tl.constexpr = tl.constexpr(1.0 / layout.FP8_E4M3_MAX)
+_MX_BLOCK: tl.constexpr = tl.constexpr(32)  # elements one e8m0 block scale covers
+_E8M0_ONE: tl.constexpr = tl.constexpr(127)  # e8m0 code of 1.0
+_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
+# The e4m3 grid: 3 fraction bits for exponents >= -6 (fp32 biased exponent 121); below that a fixed
+# step of 2**-9 (subnormals).
+_E4M3_MIN_NORMAL_BIASED: tl.constexpr = tl.constexpr(121)
+
+_UNSPECIALIZED = exact._UNSPECIALIZED_MAIN
+
+
+@triton.jit
+def _round_e4m3(x):
+    """``x`` (fp32) rounded to the nearest e4m3 value, ties to even, as fp32; saturates at +-448.
+
+    Adding ``1.5 * 2**(k + 23)``, where ``2**k`` is the e4m3 step at ``x``'s magnitude, leaves a sum
+    whose fp32 ulp is exactly that step, so the IEEE add (round to nearest even, on a GPU and in
+    numpy alike) does the rounding; subtracting it back is exact.
+    """
+    x = tl.minimum(tl.maximum(x, -_E4M3_MAX), _E4M3_MAX)
+    biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    step = tl.maximum(biased, _E4M3_MIN_NORMAL_BIASED) - 3  # biased exponent of the e4m3 step
+    magic = (((step + 23) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (x + magic) - magic
+
+
+@triton.jit
+def _pow2_ceil_exponent(x):
+    """Biased exponent ``e`` of the smallest power of two >= ``x`` (fp32, normal, > 0): the power
+    is ``2 ** (e - 127)`` and ``e`` is also its e8m0 code."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _inverse_pow2(e):
+    """``2 ** (127 - e)`` as fp32: the exact inverse of the power of two with biased exponent ``e``."""
+    return ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols, BLOCK_H: tl.constexpr):
+    """One 128-wide q tile as e4m3 ([BLOCK_H, 128]) and its per-head e8m0 block scales
+    ([BLOCK_H, 4]); a padded head is all zeros."""
+    q = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
+                mask=h_mask[:, None], other=0.0).to(tl.float32)
+    e = _pow2_ceil_exponent(tl.maximum(tl.max(tl.abs(q), axis=1) * _INV_E4M3_MAX, _MIN_NORMAL))
+    q8 = _round_e4m3(q * _inverse_pow2(e)[:, None]).to(tl.float8e4nv)
+    return q8, tl.broadcast_to(e[:, None], [BLOCK_H, _TILE // _MX_BLOCK]).to(tl.uint8)
+
+
+@triton.jit
+def _tile_scores(q8, q_e8, kv_lat, row_off, valid, cols, scale, ones_k):
+    """Scores of one latent tile: ``(q8 * 2**q_e) @ key8^T * key_scale``, [BLOCK_H, BLOCK_K] fp32.
+
+    The key tile is gathered already transposed ([128, BLOCK_K]), the form Triton's pipeliner turns
+    into an asynchronous copy issued a step ahead.
+    """
+    k_t = tl.load(kv_lat + row_off[None, :] + cols[:, None], mask=valid[None, :], other=0.0)
+    return tl.dot_scaled(q8, q_e8, "e4m3", k_t, ones_k, "e4m3") * scale[None, :]
+
+
+@triton.jit
+def _p_exponent(p_bound, sc0, sc1, sc2, sc3):
+    """Per head, the biased exponent of the power of two that brings ``p * scale`` of every tile
+    within e4m3's range: ``>= p_bound * max(scale) / 448``, one bound for the four tiles (a tile
+    whose scales are k times smaller keeps its 3 fraction bits; only its subnormal floor moves by
+    log2(k) binades), so one reduction a step instead of four."""
+    smax = tl.max(tl.maximum(tl.maximum(sc0, sc1), tl.maximum(sc2, sc3)), axis=0)
+    return _pow2_ceil_exponent(tl.maximum(p_bound * (smax * _INV_E4M3_MAX), _MIN_NORMAL))
+
+
+@triton.jit
+def _tile_values(acc, alpha, p, p_inv, p_e8, kv_lat, row_off, valid, cols, scale, ones_v):
+    """``acc * alpha + (p * value_scale) @ value8`` for one 128-wide value tile; ``p * scale`` is
+    quantized to e4m3 after ``* p_inv`` (a power of two), whose inverse ``p_e8`` the MMA applies."""
+    p8 = _round_e4m3((p * scale[None, :]) * p_inv[:, None]).to(tl.float8e4nv)
+    v = tl.load(kv_lat + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+    return tl.dot_scaled(p8, p_e8, "e4m3", v, ones_v, "e4m3", acc=acc * alpha[:, None])
+
+
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
+def _fast_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    kv_ptr, page_stride, row_stride, page_magic, page_shift, page_size, num_slots,
+    idx_ptr, idx_stride_t, topk,
+    topk_len_ptr, topk_len_stride, has_topk_len,
+    sink_ptr, sink_stride, has_sink,
+    out_ptr, out_stride_t, out_stride_s, out_stride_h,
+    lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h, write_lse, lse_scale,
+    num_heads, qk_scale_log2, blocks_per_split,
+    FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (token, head block, split) program over a uint8 fp8_ds_mla cache (offsets in bytes;
+    pages found by :func:`~mla_sm120_plugin.kernels.triton.page_divisor`'s multiply-shift).
+
+    FINAL: write the output (one split) or normalized partials and their base-2 LSE.
+    """
+    kv_lat = kv_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    kv_f32 = kv_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+    kv_rope = kv_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    tok = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    col = tl.arange(0, _TILE)
+    rope_col = tl.arange(0, _ROPE)
+    q_row = tok * q_stride_t
+    idx_row = tok * idx_stride_t
+
+    length = topk
+    if has_topk_len:
+        length = tl.minimum(tl.load(topk_len_ptr + tok * topk_len_stride), topk)
+
+    # q is quantized once; Triton keeps the e4m3 tiles in shared memory across the loop.
+    q0, qe0 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col, BLOCK_H)
+    q1, qe1 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE, BLOCK_H)
+    q2, qe2 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE, BLOCK_H)
+    q3, qe3 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE, BLOCK_H)
+    q_rope = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + (rope_col + _NOPE)[None, :],
+                     mask=h_mask[:, None], other=0.0)
+    ones_k = tl.full([BLOCK_K, _TILE // _MX_BLOCK], _E8M0_ONE, tl.uint8)
+    ones_v = tl.full([_TILE, BLOCK_K // _MX_BLOCK], _E8M0_ONE, tl.uint8)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, _TILE], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, _TILE], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, _TILE], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, _TILE], tl.float32)
+
+    pos = split * (blocks_per_split * BLOCK_K) + tl.arange(0, BLOCK_K)
+    next_slot = _slot_ids(idx_ptr, idx_row, pos, length)
+    for _ in range(blocks_per_split):
+        slot = next_slot
+        # Positions past topk_length were loaded as -1, so the slot alone says what is valid.
+        valid = (slot >= 0) & (slot < num_slots)
+        row_off = _row_offset(tl.where(valid, slot, 0), page_magic, page_shift, page_size, page_stride, row_stride)
+        pos += BLOCK_K
+        next_slot = _slot_ids(idx_ptr, idx_row, pos, length)  # one step ahead, by hand
+
+        sc_ptr = kv_f32 + (row_off + _SCALE_OFF) // 4
+        sc0 = tl.load(sc_ptr, mask=valid, other=0.0)
+        sc1 = tl.load(sc_ptr + 1, mask=valid, other=0.0)
+        sc2 = tl.load(sc_ptr + 2, mask=valid, other=0.0)
+        sc3 = tl.load(sc_ptr + 3, mask=valid, other=0.0)
+        s = _tile_scores(q0, qe0, kv_lat, row_off, valid, col, sc0, ones_k)
+        s += _tile_scores(q1, qe1, kv_lat, row_off, valid, col + _TILE, sc1, ones_k)
+        s += _tile_scores(q2, qe2, kv_lat, row_off, valid, col + 2 * _TILE, sc2, ones_k)
+        s += _tile_scores(q3, qe3, kv_lat, row_off, valid, col + 3 * _TILE, sc3, ones_k)
+        rope = tl.load(kv_rope + ((row_off + _ROPE_OFF) // 2)[:, None] + rope_col[None, :],
+                       mask=valid[:, None], other=0.0)
+        s += _dot(q_rope, tl.trans(rope), DOT_BF16)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K], base 2
+
+        m_step = tl.max(s, axis=1)
+        m_new = tl.maximum(m_i, m_step)
+        # A row with nothing valid yet keeps m = -inf; subtracting 0 instead keeps exp2 finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        p_bound = tl.math.exp2(m_step - m_safe)  # >= every p of the row this step
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        p_exp = _p_exponent(p_bound, sc0, sc1, sc2, sc3)
+        p_inv = _inverse_pow2(p_exp)
+        p_e8 = tl.broadcast_to(p_exp[:, None], [BLOCK_H, BLOCK_K // _MX_BLOCK]).to(tl.uint8)
+        acc0 = _tile_values(acc0, alpha, p, p_inv, p_e8, kv_lat, row_off, valid, col, sc0, ones_v)
+        acc1 = _tile_values(acc1, alpha, p, p_inv, p_e8, kv_lat, row_off, valid, col + _TILE, sc1, ones_v)
+        acc2 = _tile_values(acc2, alpha, p, p_inv, p_e8, kv_lat, row_off, valid, col + 2 * _TILE, sc2, ones_v)
+        acc3 = _tile_values(acc3, alpha, p, p_inv, p_e8, kv_lat, row_off, valid, col + 3 * _TILE, sc3, ones_v)
+
+    has_any = l_i > 0.0
+    inv_l = tl.where(has_any, 1.0 / tl.where(has_any, l_i, 1.0), 0.0)[:, None]
+    lse2 = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+    if FINAL:
+        _finalize(
+            out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h,
+            sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
+            heads, h_mask, lse2, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l,
+        )
+    else:
+        _finalize(
+            out_ptr, tok * out_stride_t + split * out_stride_s, out_stride_h,
+            lse_ptr, tok * lse_stride_t + split * lse_stride_s, lse_stride_h,
+            sink_ptr, sink_stride, 0, 1, 1.0,
+            heads, h_mask, lse2, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l,
+        )
+
+
+def triton_sparse_mla_fast(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    kv_layout: str,
+    topk_length: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_base: str = "e",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with fp8 MMAs on the fp8_ds_mla cache's bytes (module docstring: numerics).
+
+    Arguments, shapes, dtypes and return values: exactly those of
+    :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (a bf16 cache is handed to it).
+    Matches the torch reference within :data:`TOLERANCE` of the output's magnitude.
+    """
+    return _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
+                sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None)
+
+
+def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, lse, lse_base,
+                cfg: plan.LaunchConfig, interpret: bool) -> list[exact.Launch]:
+    """The launches that compute ``out`` (and ``lse`` when given) over an fp8_ds_mla cache.
+
+    One launch when ``cfg.num_splits == 1``; otherwise the split kernel into fresh
+    ``cfg.partial_dtype`` partials, then the exact kernel's combine into ``out``.
+    """
+    num_tokens, num_heads, _ = q.shape
+    if not interpret and q.dtype != torch.bfloat16:
+        # As in the exact kernel: q is quantized in-kernel anyway, and one q dtype halves the
+        # compiled variants; out keeps the caller's dtype.
+        q = q.to(torch.bfloat16)
+    page_size, page_stride, row_stride = exact._cache_geometry(kv_cache)
+    has_len, has_sink = topk_length is not None, sink is not None
+    lse_scale = 1.0 if lse_base == "2" else math.log(2.0)
+    final = cfg.num_splits == 1
+    if final:
+        dest, dest_strides = out, (out.stride(0), 0, out.stride(1))
+        dest_lse, dest_lse_strides = (lse, (lse.stride(0), 0, lse.stride(1))) if lse is not None else (out, (0, 0, 0))
+    else:
+        dest = torch.empty(num_tokens, cfg.num_splits, num_heads, layout.KV_LORA_RANK,
+                           dtype=exact.partial_dtype(cfg), device=q.device)  # [T, S, H, 512]
+        dest_lse = torch.empty(num_tokens, cfg.num_splits, num_heads, dtype=torch.float32, device=q.device)  # [T, S, H]
+        dest_strides, dest_lse_strides = dest.stride()[:3], dest_lse.stride()
+    main = exact.Launch(
+        kernel=_fast_kernel,
+        grid=(num_tokens, -(-num_heads // cfg.block_h), cfg.num_splits),
+        args=(
+            q, q.stride(0), q.stride(1),
+            kv_cache, page_stride, row_stride, *exact.page_divisor(page_size), page_size, exact.num_slots(kv_cache),
+            indices, indices.stride(0), indices.shape[1],
+            topk_length if has_len else indices, topk_length.stride(0) if has_len else 0, int(has_len),
+            sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(final and has_sink),
+            dest, *dest_strides,
+            dest_lse, *dest_lse_strides, int(not final or lse is not None), lse_scale if final else 1.0,
+            num_heads, float(sm_scale) * exact._LOG2E, cfg.blocks_per_split,
+        ),
+        constexprs=dict(FINAL=final, DOT_BF16=not interpret, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
+        describe=dict(kernel="sparse_mla_fast", q=exact._DTYPE_NAMES[q.dtype], cache=kv_layout,
+                      out=exact._DTYPE_NAMES[dest.dtype], final=int(final), block_h=cfg.block_h,
+                      block_k=cfg.block_k, warps=cfg.num_warps, stages=cfg.num_stages,
+                      **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg})),
+    )
+    if final:
+        return [main]
+    return [main, exact.combine_launch(dest, dest_lse, sink=sink, out=out, lse=lse, lse_scale=lse_scale)]
+
+
+def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
+         config: plan.LaunchConfig | None):
+    """:func:`triton_sparse_mla_fast` with an optional forced :class:`~.triton_plan.LaunchConfig`;
+    a bf16 cache goes to the exact kernel."""
+    if kv_layout != layout.FP8_DS_MLA:
+        return exact._run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
+                          sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=config)
+    return exact.run_plan(launch_plan, plan.FAST, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
+                          topk_length=topk_length, sink=sink, out=out, return_lse=return_lse, lse_base=lse_base,
+                          config=config)

@@ -1,0 +1,328 @@
+"""How the Triton kernels cut a call into programs, and the bytes each cut moves (pure Python).
+
+Nothing here imports torch or triton: the table, the rule behind it and the traffic model run on
+any machine (``python -m mla_sm120_plugin.kernels.triton_plan`` prints them).
+
+The kernels. A program handles one query token, ``block_h`` heads and one *split* (a range of
+``chunk`` top-k candidates, ``block_k`` a step). What the compiler made of each kernel's main
+variant, read by :mod:`~mla_sm120_plugin.kernels.compile_gate` from the cubin (Triton 3.8):
+
+* ``triton_sparse_mla`` (exact, bf16 MMAs): 16 heads x 32 candidates, 8 warps, 134 registers and
+  56.8 KB of shared memory on sm_120a, so 1 CTA per SM (2 on sm_90a: 128 registers, 228 KB an SM);
+  fp32 partials (its numerics are the reference's to ~1e-6).
+* ``triton_sparse_mla_fast`` (fp8 MMAs): 16 x 32, 8 warps, 128 registers and 48.6 KB of shared
+  memory, so 2 CTAs per SM on sm_120a/121a (and sm_90a); bf16 partials (within its tolerance).
+
+Larger blocks (64 candidates, 32 heads) or 4 warps spill or fall to one CTA an SM on sm_120a, so
+only the split count is left to choose, and it is chosen per (arch family, heads bucket, token
+bucket, top-k bucket) by one rule (:func:`choose_chunk`), evaluated once into :func:`table`:
+
+1. Fill one wave. ``T * head_blocks`` programs exist without splitting; splitting top-k into
+   ``ceil(slots / programs)`` ranges, ``slots = SMs * ctas_per_sm``, gives every resident CTA slot
+   a program (more splits only add partials and q reloads; fewer leave SMs idle, and a gather-bound
+   program hides its latency only behind other CTAs).
+2. Pay for splits only in bytes that do not cost time. Each extra split writes and reads back one
+   partial row per head (``512 x 2`` bytes bf16, 4 for fp32, + a 4-byte LSE) and reloads q; the
+   bytes splitting adds may be at most ``max(20 % of the unsplit launch's bytes, what the GPU moves
+   in one memory latency)`` - below that a launch is latency bound and extra bytes are free - and
+   never more than the cache rows the launch reads.
+3. Whole ``block_k`` steps per split, at most :data:`MAX_SPLITS` splits (the combine walks them all).
+
+The traffic model (:func:`traffic`) counts, from a launch plan, the bytes DRAM must move if nothing
+is reused across programs: cache rows once per (token, head block) - rows repeated across head
+blocks are L2 hits in practice, so this is an upper bound -, q once per program, the index ranges
+(plus the one step each split prefetches past its end), partials written and read back, and the
+output; the minimum is cache rows + q + indices + output once. At T=64, 4-16 heads, top-k 2048 the
+rule keeps the plan within 1.2x of the minimum; at T=1, 8-16 heads, its partials stay below the
+cache bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from mla_sm120_plugin.kernels import layout
+
+MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
+EXTRA_FRACTION = 0.2  # bytes splitting may add, as a fraction of the unsplit launch's bytes ...
+LATENCY_US = 1.0  # ... or what the GPU moves in this long (a loaded DRAM round trip), if more
+
+_PARTIAL_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is cut into programs.
+
+    block_h: heads a program handles (tl.dot needs >= 16 rows), padded and masked
+    block_k: candidates a loop step handles
+    num_splits: top-k ranges per (token, head block); 1 is the single-launch (final) path
+    blocks_per_split: ``block_k`` steps in each range
+    num_warps: warps a program runs
+    num_stages: software-pipelining depth of the candidate loop
+    maxnreg: register cap handed to ptxas (None: its own choice)
+    partial_dtype: "fp32" or "bf16", the dtype of split partials
+    """
+
+    block_h: int
+    block_k: int
+    num_splits: int
+    blocks_per_split: int
+    num_warps: int = 8
+    num_stages: int = 2
+    maxnreg: int | None = None
+    partial_dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """A kernel's fixed block shape and what the compile gate read for it.
+
+    name: the kernel's registered name
+    block_h, block_k, num_warps, num_stages, maxnreg, partial_dtype: as in :class:`LaunchConfig`
+    ctas_per_sm: CTAs per SM on the family's target, by {family: count}; the compile gate checks
+        that the compiled code gives at least this many (tests/kernels/test_compile_gate.py)
+    """
+
+    name: str
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+    partial_dtype: str
+    ctas_per_sm: dict
+
+    def config(self, num_splits: int = 1, blocks_per_split: int = 1) -> LaunchConfig:
+        return LaunchConfig(self.block_h, self.block_k, num_splits, blocks_per_split, self.num_warps,
+                            self.num_stages, self.maxnreg, self.partial_dtype)
+
+
+EXACT = KernelShape("triton_sparse_mla", 16, 32, 8, 2, None, "fp32", {"sm120": 1, "sm121": 1, "sm90": 2})
+FAST = KernelShape("triton_sparse_mla_fast", 16, 32, 8, 2, None, "bf16", {"sm120": 2, "sm121": 2, "sm90": 2})
+KERNELS = {k.name: k for k in (EXACT, FAST)}
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """A GPU family the table is computed for: a representative part's SM count and bandwidth.
+
+    name: "sm120", "sm121" or "sm90"
+    part: the representative GPU
+    num_sms: its SM count
+    bandwidth_gbps: its DRAM bandwidth, GB/s
+    """
+
+    name: str
+    part: str
+    num_sms: int
+    bandwidth_gbps: float
+
+    @property
+    def latency_bytes(self) -> float:
+        """Bytes the GPU moves in :data:`LATENCY_US`: below this a launch is latency bound."""
+        return self.bandwidth_gbps * 1e9 * LATENCY_US * 1e-6
+
+
+FAMILIES = {
+    "sm120": ArchFamily("sm120", "RTX 5090", 170, 1792.0),  # RTX PRO 6000: 188 SMs, same bandwidth
+    "sm121": ArchFamily("sm121", "DGX Spark GB10", 48, 273.0),
+    "sm90": ArchFamily("sm90", "H200", 132, 4800.0),  # the device sweep's GPU (H100: 3350 GB/s)
+}
+DEFAULT_FAMILY = "sm120"
+
+HEAD_BUCKETS = (8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+TOPK_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def family_of(major: int, minor: int) -> str:
+    """The table's family for a compute capability (SM121 is its own row: 48 SMs, 273 GB/s)."""
+    if major == 12:
+        return "sm121" if minor == 1 else "sm120"
+    if major == 9:
+        return "sm90"
+    return DEFAULT_FAMILY
+
+
+def _bucket(value: int, edges: tuple[int, ...]) -> int:
+    for edge in edges:
+        if value <= edge:
+            return edge
+    return edges[-1]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one call's launches move, by kind, with nothing reused across programs.
+
+    cache: cache rows, once per (token, head block)
+    q: q, once per program (every split reloads its heads)
+    indices: index ranges, plus the step each split prefetches past its end
+    partials: split partials and their LSE, written and read back (0 for one split)
+    output: out (and nothing for lse, which is 4 bytes a head)
+    minimum: cache rows + q + indices + output, each once
+    """
+
+    cache: int
+    q: int
+    indices: int
+    partials: int
+    output: int
+    minimum: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.q + self.indices + self.partials + self.output
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.minimum
+
+    def as_dict(self) -> dict:
+        return dict(cache=self.cache, q=self.q, indices=self.indices, partials=self.partials,
+                    output=self.output, total=self.total, minimum=self.minimum, ratio=round(self.ratio, 4),
+                    partials_over_cache=round(self.partials / self.cache, 4))
+
+
+def traffic(cfg: LaunchConfig, num_tokens: int, num_heads: int, topk: int, *, q_bytes: int = 2,
+            out_bytes: int = 2, kv_layout: str = layout.FP8_DS_MLA) -> Traffic:
+    """The bytes the launches of ``cfg`` move for a [T, H, 576] q and [T, topk] indices (every
+    candidate valid and distinct: the most a call can read)."""
+    token_bytes = layout.TOKEN_BYTES[kv_layout]
+    head_blocks = _cdiv(num_heads, cfg.block_h)
+    q_row = num_heads * layout.HEAD_DIM * q_bytes
+    out_row = num_heads * layout.KV_LORA_RANK * out_bytes
+    split = cfg.num_splits > 1
+    prefetch = cfg.num_splits * cfg.block_k * 4  # each split loads one step of ids past its range
+    partial_row = num_heads * (layout.KV_LORA_RANK * _PARTIAL_BYTES[cfg.partial_dtype] + 4)
+    return Traffic(
+        cache=num_tokens * head_blocks * topk * token_bytes,
+        q=num_tokens * cfg.num_splits * q_row,
+        indices=num_tokens * head_blocks * (topk * 4 + prefetch),
+        partials=num_tokens * cfg.num_splits * partial_row * 2 if split else 0,
+        output=num_tokens * out_row,
+        minimum=num_tokens * (topk * token_bytes + q_row + topk * 4 + out_row),
+    )
+
+
+def _split(kernel: KernelShape, topk: int, chunk: int) -> LaunchConfig:
+    blocks = _cdiv(max(topk, 1), kernel.block_k)
+    per_split = max(1, min(chunk // kernel.block_k, blocks))
+    return kernel.config(_cdiv(blocks, per_split), per_split)
+
+
+def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_heads: int,
+                 topk: int) -> tuple[int, str]:
+    """Candidates per split for this shape, by the rule in the module docstring, and why."""
+    blocks = _cdiv(max(topk, 1), kernel.block_k)
+    programs = num_tokens * _cdiv(num_heads, kernel.block_h)
+    slots = family.num_sms * kernel.ctas_per_sm[family.name]
+    wave = min(_cdiv(slots, programs), blocks, MAX_SPLITS)
+    unsplit = traffic(kernel.config(), num_tokens, num_heads, topk)
+    budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
+    splits, cfg = 1, kernel.config(1, blocks)
+    for wanted in range(wave, 1, -1):
+        candidate = _split(kernel, topk, _cdiv(blocks, wanted) * kernel.block_k)
+        if traffic(candidate, num_tokens, num_heads, topk).total - unsplit.total <= budget:
+            splits, cfg = candidate.num_splits, candidate
+            break
+    chunk = cfg.blocks_per_split * kernel.block_k
+    if splits == 1:
+        why = (f"{programs} programs fill {slots} CTA slots" if wave <= 1
+               else f"no split fits the byte budget ({budget / 1e6:.2f} MB)")
+    else:
+        extra = traffic(cfg, num_tokens, num_heads, topk).total - unsplit.total
+        why = (f"{splits} splits: {programs} programs x {splits} ~ {slots} CTA slots"
+               if splits == wave else f"{splits} splits (a wave wants {wave}): the byte budget")
+        why += f"; splitting adds {extra / 1e6:.2f} of <= {budget / 1e6:.2f} MB"
+    return chunk, why
+
+
+@functools.cache
+def table(kernel_name: str, family_name: str) -> dict[tuple[int, int, int], tuple[int, str]]:
+    """{(heads bucket, token bucket, top-k bucket): (chunk, reason)} for one kernel and family.
+
+    Each entry is :func:`choose_chunk` at the bucket's upper edge; a shape in the bucket gets that
+    chunk (so at most as many splits as the edge would, never an empty split).
+    """
+    kernel, family = KERNELS[kernel_name], FAMILIES[family_name]
+    return {(h, t, k): choose_chunk(kernel, family, t, h, k)
+            for h in HEAD_BUCKETS for t in TOKEN_BUCKETS for k in TOPK_BUCKETS}
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_config(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
+                  family_name: str = DEFAULT_FAMILY) -> LaunchConfig:
+    """The table's config for one call (deterministic; no autotuning at serve time)."""
+    chunk, _ = table(kernel_name, family_name)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
+                                                _bucket(topk, TOPK_BUCKETS))]
+    return _split(KERNELS[kernel_name], topk, chunk)
+
+
+def plan_report(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
+                family_name: str = DEFAULT_FAMILY, *, q_bytes: int = 2, out_bytes: int = 2) -> dict:
+    """The config a call gets and the traffic model of its launches (JSON-serializable)."""
+    cfg = launch_config(kernel_name, num_tokens, num_heads, topk, family_name)
+    _, why = table(kernel_name, family_name)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
+                                              _bucket(topk, TOPK_BUCKETS))]
+    return dict(kernel=kernel_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads, topk=topk,
+                num_splits=cfg.num_splits, chunk=cfg.blocks_per_split * cfg.block_k, block_h=cfg.block_h,
+                block_k=cfg.block_k, partial_dtype=cfg.partial_dtype, reason=why,
+                traffic=traffic(cfg, num_tokens, num_heads, topk, q_bytes=q_bytes, out_bytes=out_bytes).as_dict())
+
+
+# The shapes the issue's acceptance names: (tokens, heads, top-k).
+MUST_SHOW = [(64, 4, 2048), (64, 8, 2048), (64, 16, 2048), (1, 8, 2048), (1, 16, 2048)]
+
+
+def format_report(family_name: str = DEFAULT_FAMILY) -> str:
+    """The traffic model for :data:`MUST_SHOW` and both kernels, as text."""
+    lines = [f"family {family_name} ({FAMILIES[family_name].part}); bytes in MB; ratio = modeled / minimum"]
+    lines.append(f"{'kernel':<24}{'T':>5}{'H':>5}{'topk':>6}{'splits':>7}{'chunk':>6}{'cache':>9}{'q':>7}"
+                 f"{'idx':>7}{'partials':>9}{'out':>7}{'total':>9}{'min':>9}{'ratio':>7}{'part/cache':>11}")
+    for name in KERNELS:
+        for t, h, k in MUST_SHOW:
+            r = plan_report(name, t, h, k, family_name)
+            tr = {key: (v / 1e6 if isinstance(v, int) else v) for key, v in r["traffic"].items()}
+            lines.append(f"{name:<24}{t:>5}{h:>5}{k:>6}{r['num_splits']:>7}{r['chunk']:>6}{tr['cache']:>9.3f}"
+                         f"{tr['q']:>7.3f}{tr['indices']:>7.3f}{tr['partials']:>9.3f}{tr['output']:>7.3f}"
+                         f"{tr['total']:>9.3f}{tr['minimum']:>9.3f}{tr['ratio']:>7.3f}"
+                         f"{tr['partials_over_cache']:>11.3f}")
+    return "\n".join(lines)
+
+
+def format_table(kernel_name: str, family_name: str = DEFAULT_FAMILY) -> str:
+    """One kernel's table for one family: splits at each bucket edge (rows: heads/tokens)."""
+    rows = [f"{kernel_name} on {family_name}: splits (chunk) per top-k bucket"]
+    rows.append(f"{'H':>4}{'T<=':>6} " + "".join(f"{k:>11}" for k in TOPK_BUCKETS))
+    entries = table(kernel_name, family_name)
+    for h in HEAD_BUCKETS:
+        for t in TOKEN_BUCKETS:
+            cells = []
+            for k in TOPK_BUCKETS:
+                chunk, _ = entries[(h, t, k)]
+                cells.append(f"{_cdiv(k, chunk)} ({chunk})".rjust(11))
+            rows.append(f"{h:>4}{t:>6} " + "".join(cells))
+    return "\n".join(rows)
+
+
+def with_splits(cfg: LaunchConfig, num_splits: int, blocks_per_split: int) -> LaunchConfig:
+    """``cfg`` with another split (tests force the most or fewest partials)."""
+    return replace(cfg, num_splits=num_splits, blocks_per_split=blocks_per_split)
+
+
+if __name__ == "__main__":
+    import sys
+
+    family = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_FAMILY
+    print(format_report(family))
+    if "--table" in sys.argv:
+        for name in KERNELS:
+            print()
+            print(format_table(name, family))
