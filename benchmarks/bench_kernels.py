@@ -1,10 +1,14 @@
-"""Kernel benchmarks as JSON: ``python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda]``.
+"""Kernel benchmarks as JSON: ``python benchmarks/bench_kernels.py [--quick|--sweep] [--device cpu|cuda]``.
 
 ``--device cuda`` (default when a GPU is present): :func:`mla_sm120_plugin.kernels.bench.run_gpu_benchmarks`
-(eager and CUDA-graph time, GB/s and TFLOP/s against ceilings measured in the same run), the same
-report as ``mla-sm120 bench``. ``--device cpu``: the torch reference's time and memory against a
-naive full gather (:mod:`cpu_memory`, beside this file). What each number measures is in the
-output's ``measures`` section.
+(eager and CUDA-graph time, GB/s and TFLOP/s against ceilings measured in the same run, for the
+exact and fast Triton kernels and their candidate configurations), the same report as
+``mla-sm120 bench``; the JSON is rewritten after every shape, so a run cut short keeps what it
+measured. ``--sweep``: every shape, without the compile gate (benchmarks/device_run.sh).
+``--device cpu``: the torch reference's time and memory against a naive full gather
+(:mod:`cpu_memory`, beside this file). ``--traffic [FAMILY]``: the launch plans' modeled bytes
+for the acceptance shapes and the configuration table (no GPU needed). What each number measures
+is in the output's ``measures`` section.
 """
 
 from __future__ import annotations
@@ -15,13 +19,33 @@ import sys
 from pathlib import Path
 
 
+def _write(report: dict, path: str | None) -> None:
+    text = json.dumps(report, indent=2)
+    if path:
+        Path(path).write_text(text + "\n")
+    else:
+        print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    parser.add_argument("--sweep", action="store_true", help="GPU: every shape, no compile report")
+    parser.add_argument("--traffic", nargs="?", const="sm120", default=None, metavar="FAMILY",
+                        help="print the traffic model and configuration table (sm120, sm121 or sm90) and exit")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--plot", default=None, help="GPU only: also draw the results to this PNG")
     parser.add_argument("--output", default=None, help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
+
+    if args.traffic:
+        from mla_sm120_plugin.kernels import triton_plan
+
+        print(triton_plan.format_report(args.traffic))
+        for name in triton_plan.KERNELS:
+            print()
+            print(triton_plan.format_table(name, args.traffic))
+        return 0
 
     import torch
 
@@ -30,19 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from cpu_memory import run_cpu_benchmarks
 
-        report = run_cpu_benchmarks(quick=args.quick)
-    else:
-        from mla_sm120_plugin.kernels.bench import plot, run_gpu_benchmarks
+        _write(run_cpu_benchmarks(quick=args.quick), args.output)
+        return 0
+    from mla_sm120_plugin.kernels.bench import plot, run_gpu_benchmarks
 
-        report = run_gpu_benchmarks(device=device, quick=args.quick)
-        if args.plot:
-            plot(report, args.plot)
-    text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    progress = (lambda partial: _write(partial, args.output)) if args.output else None
+    report = run_gpu_benchmarks(device=device, quick=args.quick, compile_report=not args.sweep, progress=progress)
+    _write(report, args.output)
+    if args.plot:
+        plot(report, args.plot)
     return 0
 
 

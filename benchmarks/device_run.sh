@@ -1,15 +1,40 @@
 #!/usr/bin/env bash
-# One short run on a lent GPU machine (see the device tool's README): the kernel tests on the GPU,
-# the compile gate for that GPU's architecture, then the benchmark (JSON, and a picture where
-# matplotlib exists). Everything lands under $OUT. Needs only torch, triton, pytest and pluggy:
+# One short run on a lent GPU machine (<= 6 minutes on an H200; see the device tool's README):
+#   1. the kernel tests on the GPU, compiled (the exact and fast Triton kernels against the torch
+#      reference; the compile gate, which needs no GPU, runs on the CPU machine instead),
+#   2. the traffic model and configuration table (pure Python) for the record,
+#   3. the sweep: exact vs fast, each with the table's config and its neighbours, at T=1/64/2048 x
+#      heads 4/8/16/64/128, top-k 2048, eager and CUDA graph and host us, with the copy and matmul
+#      ceilings measured in the same run (JSON rewritten after every shape, PNG at the end).
+# On sm_90 the fast kernel's fp8 dots are emulated (no fp8 mma.sync there): bench.json says so
+# beside its numbers ("note", "fast_kernel_note"). Needs only torch, triton (3.6 works), pytest and
+# pluggy; everything lands under $OUT:
 #   run: PYTHONPATH=. bash benchmarks/device_run.sh      (timeout_s ~420 leaves room for a rerun)
 set -u
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/pytest.txt" 2>&1
+python -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)" \
+    > "$OUT/versions.txt" 2>&1
+# The GPU quick-report test repeats what step 3 measures: deselected here to keep the time.
+timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_compile_gate.py \
+    --deselect tests/kernels/test_bench.py::test_gpu_quick_report > "$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?"; tail -3 "$OUT/pytest.txt"
-timeout 240 python -m mla_sm120_plugin.cli bench --output "$OUT/bench.json" --plot "$OUT/bench.png" \
-    > /dev/null 2> "$OUT/bench.err"
+python benchmarks/bench_kernels.py --traffic sm90 > "$OUT/plan_sm90.txt" 2>&1
+python benchmarks/bench_kernels.py --traffic sm120 > "$OUT/plan_sm120.txt" 2>&1
+timeout 180 python benchmarks/bench_kernels.py --device cuda --sweep --output "$OUT/bench.json" \
+    --plot "$OUT/bench.png" > /dev/null 2> "$OUT/bench.err"
 echo "bench rc=$?"; tail -3 "$OUT/bench.err"
+python - "$OUT/bench.json" <<'PY' 2>/dev/null || true
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"{report['device']} triton {report['triton']} shapes {len(report['results'])}", report.get("fast_kernel_note") or "")
+for row in report["results"]:
+    cells = []
+    for kernel, configs in row["kernels"].items():
+        for label, e in configs.items():
+            cells.append(f"{kernel.replace('triton_sparse_mla', 'tr')}/{label}="
+                         + (f"{e['graph_us']:.0f}us" if "graph_us" in e else "err"))
+    print(f"T={row['num_tokens']} H={row['num_heads']}: " + " ".join(cells))
+PY

@@ -1,9 +1,11 @@
 """GPU kernel benchmark (``mla-sm120 bench``): time, bandwidth and FLOP rate against ceilings
-measured in the same run. Public torch/Triton APIs only; the CPU memory harness, which needs
-torch's private dispatch hooks, lives in ``benchmarks/cpu_memory.py``.
+measured in the same run, for the exact and the fast Triton kernels side by side, each with the
+configuration table's choice and its neighbours. Public torch/Triton APIs only; the CPU memory
+harness, which needs torch's private dispatch hooks, lives in ``benchmarks/cpu_memory.py``.
 
-Per shape (fp8_ds_mla cache, bf16 q, top-k 2048) and kernel, as vLLM calls it (the bound kernel
-function, no ``sparse_mla_forward`` validation):
+Per shape (fp8_ds_mla cache with arbitrary-fp32 scales, bf16 q, top-k 2048; T = 1 / 64 / 2048
+tokens x 4 / 8 / 16 / 64 / 128 heads) and per kernel and launch configuration, as vLLM calls it
+(the kernel function with its own output buffer, no ``sparse_mla_forward`` validation):
 
 * ``eager_us``: ``triton.testing.do_bench`` (launches back to back, host time included);
 * ``graph_us``: ``triton.testing.do_bench_cudagraph`` (what vLLM's captured decode sees);
@@ -12,10 +14,15 @@ function, no ``sparse_mla_forward`` validation):
   device-to-device copy bandwidth (bytes read plus written);
 * ``tflops``: ``2 * T * H * topk * (576 + 512)`` / graph time, and its fraction of the measured
   dense bf16 matmul rate;
-* ``max_abs_diff`` and ``max_rel_diff`` against the torch reference.
+* ``max_rel_diff`` against the torch reference (on the first :data:`REFERENCE_TOKENS` tokens) and
+  the kernel's declared ``tolerance``;
+* ``config`` and ``traffic``: the launch configuration and the bytes its launches move
+  (:func:`mla_sm120_plugin.kernels.triton_plan.traffic`: the same model the table is chosen by,
+  computable without a GPU), so a timing can be read against its bytes.
 
-The report also carries the compile gate's ptxas numbers (registers, spills, shared memory) for
-this GPU's architecture.
+On sm_90 (H100/H200) the fast kernel's fp8 dots are emulated - Triton widens the e4m3 operands to
+bf16 and runs HMMA, since sm_90 has no fp8 ``mma.sync`` - and every fast row says so in ``note``:
+its numbers there are not SM120's fp8-MMA speed.
 """
 
 from __future__ import annotations
@@ -27,14 +34,22 @@ from typing import Any
 import torch
 
 from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels import triton_plan as plan
 from mla_sm120_plugin.kernels.reference import torch_sparse_mla
 
 TOPK = 2048
-# (tokens, heads): single-token decode, a 64-token decode step, and a long prefill.
-SHAPES = [(1, 8), (1, 16), (1, 128), (64, 4), (64, 8), (64, 16), (64, 128), (2048, 8), (2048, 16), (2048, 128)]
+SWEEP_TOKENS = (1, 64, 2048)  # single-token decode, a 64-token decode step, a long prefill
+SWEEP_HEADS = (4, 8, 16, 64, 128)  # GLM-5 at TP 16 / 8 / 4 / 1, DeepSeek-V3.2 at TP 1
+SHAPES = [(t, h) for t in SWEEP_TOKENS for h in SWEEP_HEADS]
 SHAPES_QUICK = [(1, 16), (64, 8), (64, 128)]
-KERNELS = ("triton_sparse_mla", "flashinfer_sparse_mla")
+TRITON_KERNELS = (plan.EXACT.name, plan.FAST.name)
+OTHER_KERNELS = ("flashinfer_sparse_mla",)
+KERNELS = TRITON_KERNELS + OTHER_KERNELS
+TABLE = "table"  # the configuration table's choice; the other candidates are named by their change
+REFERENCE_TOKENS = 32  # the torch reference checks this many tokens of each shape (T=2048 would take long)
 FLOPS_PER_CANDIDATE_HEAD = 2 * (layout.HEAD_DIM + layout.KV_LORA_RANK)  # q.k over 576, p.v over 512
+SM90_FAST_NOTE = ("sm_90: fp8 dots emulated (no fp8 mma.sync; Triton widens e4m3 to bf16 and runs HMMA); "
+                  "not SM120's fp8-MMA speed")
 
 
 def make_inputs(num_heads: int, topk: int, num_tokens: int, kv_layout: str = layout.FP8_DS_MLA,
@@ -74,25 +89,60 @@ def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
                 matmul_n=n)
 
 
-def _kernel_fn(name: str, inputs: dict[str, Any]):
-    """The bound kernel as the vLLM impl calls it: its own output buffer, no validation."""
+def candidate_configs(kernel: str, num_tokens: int, num_heads: int, topk: int,
+                      family: str) -> dict[str, plan.LaunchConfig]:
+    """The table's config for this shape and its neighbours: half and twice the splits, and one
+    split (duplicates dropped), so the sweep shows what the table's choice is worth."""
+    table = plan.launch_config(kernel, num_tokens, num_heads, topk, family)
+    blocks = -(-topk // table.block_k)
+    found = {TABLE: table}
+    for label, splits in (("half_splits", table.num_splits // 2), ("double_splits", table.num_splits * 2),
+                          ("one_split", 1)):
+        splits = max(1, min(splits, blocks, plan.MAX_SPLITS))
+        per = -(-blocks // splits)
+        cfg = plan.with_splits(table, -(-blocks // per), per)
+        if cfg not in found.values():
+            found[label] = cfg
+    return found
+
+
+def _triton_fn(kernel: str, inputs: dict[str, Any], cfg: plan.LaunchConfig, out: torch.Tensor):
+    from mla_sm120_plugin.kernels import triton as exact
+    from mla_sm120_plugin.kernels import triton_fast as fast
+
+    run = exact._run if kernel == plan.EXACT.name else fast._run
+    return lambda: run(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                       kv_layout=inputs["kv_layout"], topk_length=None, sink=None, out=out, return_lse=False,
+                       lse_base="e", config=cfg)
+
+
+def _bound_fn(name: str, inputs: dict[str, Any], out: torch.Tensor):
+    """A registered kernel as the vLLM impl calls it: its own output buffer, no validation."""
     from mla_sm120_plugin.kernels.binding import bind
 
     bound = bind(name)
-    out = torch.empty(*inputs["q"].shape[:2], layout.KV_LORA_RANK, dtype=torch.bfloat16, device=inputs["q"].device)
     return lambda: bound.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
                               kv_layout=inputs["kv_layout"], out=out, scale_format=layout.SCALE_ARBITRARY)
 
 
-def _measure(name: str, inputs: dict[str, Any], ref: torch.Tensor, ceilings: dict[str, float]) -> dict[str, Any]:
+def _tolerance(kernel: str) -> float | None:
+    if kernel == plan.FAST.name:
+        from mla_sm120_plugin.kernels import triton_fast
+
+        return triton_fast.TOLERANCE
+    if kernel == plan.EXACT.name:
+        return 2e-2  # the catalog's: bf16 dot operands on a GPU
+    return None
+
+
+def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, heads: int, quick: bool) -> dict[str, Any]:
     import triton.testing
 
-    fn = _kernel_fn(name, inputs)
-    got = fn().float()
+    got = fn()[: ref.shape[0]].float()
     diff = (got - ref.float()).abs().max().item()
-    eager_ms = triton.testing.do_bench(fn, warmup=10, rep=100)
-    graph_ms = triton.testing.do_bench_cudagraph(fn, rep=100)
-    tokens, heads = inputs["q"].shape[:2]
+    rep = 20 if quick else 40
+    eager_ms = triton.testing.do_bench(fn, warmup=5, rep=rep)
+    graph_ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
     kv_bytes = tokens * TOPK * layout.FP8_DS_MLA_TOKEN_BYTES
     flops = tokens * heads * TOPK * FLOPS_PER_CANDIDATE_HEAD
     gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
@@ -103,8 +153,50 @@ def _measure(name: str, inputs: dict[str, Any], ref: torch.Tensor, ceilings: dic
                 max_abs_diff=diff, max_rel_diff=diff / max(ref.float().abs().max().item(), 1e-30))
 
 
-def run_gpu_benchmarks(device: str = "cuda", quick: bool = False) -> dict[str, Any]:
-    """Every kernel that can run here on :data:`SHAPES` (JSON-serializable); see the module docstring."""
+def _config_dict(cfg: plan.LaunchConfig) -> dict[str, Any]:
+    return dict(num_splits=cfg.num_splits, chunk=cfg.blocks_per_split * cfg.block_k, block_h=cfg.block_h,
+                block_k=cfg.block_k, warps=cfg.num_warps, stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                partial_dtype=cfg.partial_dtype)
+
+
+def _shape_row(tokens: int, heads: int, device: str, family: str, sm90: bool, ceilings: dict[str, float],
+               quick: bool) -> dict[str, Any]:
+    inputs = make_inputs(heads, TOPK, tokens, device=device)
+    n_ref = min(tokens, REFERENCE_TOKENS)
+    ref = torch_sparse_mla(inputs["q"][:n_ref], inputs["kv_cache"], inputs["indices"][:n_ref],
+                           sm_scale=inputs["sm_scale"], kv_layout=inputs["kv_layout"])
+    out = torch.empty(tokens, heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=device)
+    row: dict[str, Any] = dict(num_tokens=tokens, num_heads=heads, topk=TOPK, kv_layout=layout.FP8_DS_MLA,
+                               scale_format=layout.SCALE_ARBITRARY, q_dtype="bf16",
+                               kv_bytes=tokens * TOPK * layout.FP8_DS_MLA_TOKEN_BYTES,
+                               flops=tokens * heads * TOPK * FLOPS_PER_CANDIDATE_HEAD, kernels={})
+    for kernel in TRITON_KERNELS:
+        per_config: dict[str, Any] = {}
+        for label, cfg in candidate_configs(kernel, tokens, heads, TOPK, family).items():
+            entry: dict[str, Any] = dict(config=_config_dict(cfg), tolerance=_tolerance(kernel),
+                                         traffic=plan.traffic(cfg, tokens, heads, TOPK).as_dict())
+            if kernel == plan.FAST.name and sm90:
+                entry["note"] = SM90_FAST_NOTE
+            try:
+                entry.update(_measure(_triton_fn(kernel, inputs, cfg, out), ref, ceilings, tokens, heads, quick))
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a result
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            per_config[label] = entry
+        row["kernels"][kernel] = per_config
+    for name in OTHER_KERNELS:
+        try:
+            row["kernels"][name] = {TABLE: _measure(_bound_fn(name, inputs, out), ref, ceilings, tokens, heads, quick)}
+        except Exception as exc:  # noqa: BLE001
+            row["kernels"][name] = {TABLE: dict(error=f"{type(exc).__name__}: {str(exc)[:500]}")}
+    return row
+
+
+def run_gpu_benchmarks(device: str = "cuda", quick: bool = False, *, shapes: list[tuple[int, int]] | None = None,
+                       compile_report: bool = True, progress=None) -> dict[str, Any]:
+    """Every kernel and candidate configuration on :data:`SHAPES` (JSON-serializable); see the
+    module docstring. ``compile_report`` adds the compile gate's readings for this GPU's arch;
+    ``progress``, if given, is called with the report so far after every shape (a run cut short
+    by a time limit keeps what it measured)."""
     from mla_sm120_plugin.kernels import compile_gate
 
     if not torch.cuda.is_available():
@@ -119,31 +211,29 @@ def run_gpu_benchmarks(device: str = "cuda", quick: bool = False) -> dict[str, A
 
         raise KernelUnavailable(format_error(f"device={device!r}", f"cuda:0..cuda:{torch.cuda.device_count() - 1} "
                                              "on this machine", "pick a GPU this machine has (nvidia-smi lists them)"))
+    import triton
+
     major, minor = torch.cuda.get_device_capability(device)
-    ceilings = measure_ceilings(device, quick)
-    rows = []
-    for tokens, heads in SHAPES_QUICK if quick else SHAPES:
-        inputs = make_inputs(heads, TOPK, tokens, device=device)
-        ref = torch_sparse_mla(**inputs)
-        row: dict[str, Any] = dict(num_tokens=tokens, num_heads=heads, topk=TOPK, kv_layout=layout.FP8_DS_MLA,
-                                   q_dtype="bf16", kv_bytes=tokens * TOPK * layout.FP8_DS_MLA_TOKEN_BYTES,
-                                   flops=tokens * heads * TOPK * FLOPS_PER_CANDIDATE_HEAD)
-        for name in KERNELS:
-            try:
-                row[name] = _measure(name, inputs, ref, ceilings)
-            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a result
-                row[name] = dict(error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        rows.append(row)
-        del inputs, ref
-        torch.cuda.empty_cache()
-    arch = major * 10 + minor
-    gate = compile_gate.report(arch) if arch in compile_gate.ARCHES else None
-    return dict(
-        device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", torch=torch.__version__,
-        python=platform.python_version(), quick=quick, ceilings=ceilings,
+    family = plan.family_of(major, minor)
+    report: dict[str, Any] = dict(
+        device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=family,
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), quick=quick,
+        ceilings=measure_ceilings(device, quick),
         measures={k: v for k, v in (line.split(": ", 1) for line in _MEASURES)},
-        results=rows, compiled=gate,
+        fast_kernel_note=SM90_FAST_NOTE if major == 9 else None, results=[], compiled=None,
     )
+    for tokens, heads in shapes or (SHAPES_QUICK if quick else SHAPES):
+        report["results"].append(_shape_row(tokens, heads, device, family, major == 9, report["ceilings"], quick))
+        torch.cuda.empty_cache()
+        if progress is not None:
+            progress(report)
+    arch = major * 10 + minor
+    if compile_report and arch in compile_gate.ARCHES:
+        try:
+            report["compiled"] = compile_gate.report(arch)
+        except Exception as exc:  # noqa: BLE001 - e.g. an older Triton without the specialization API
+            report["compiled"] = dict(error=f"{type(exc).__name__}: {str(exc)[:500]}")
+    return report
 
 
 _MEASURES = (
@@ -152,12 +242,18 @@ _MEASURES = (
     "host_us: eager_us - graph_us",
     "gbps: T * topk * 656 cache bytes / graph time",
     "tflops: 2 * T * H * topk * (576 + 512) / graph time",
+    "traffic: modeled bytes of the config's launches (triton_plan.traffic), and its ratio to the minimum",
     "ceilings: copy_gbps (1 GiB device copy, read + written), matmul_tflops (bf16 n^3 matmul)",
 )
 
 
+def _table_entry(row: dict[str, Any], kernel: str) -> dict[str, Any]:
+    return row["kernels"].get(kernel, {}).get(TABLE, {})
+
+
 def plot(report: dict[str, Any], path: str) -> None:
-    """Achieved bandwidth and FLOP rate per shape and kernel, each against its measured ceiling."""
+    """Per shape: GB/s and TFLOP/s of each kernel's table config against the measured ceilings, and
+    the CUDA-graph time of every candidate config."""
     try:
         import matplotlib
 
@@ -170,20 +266,29 @@ def plot(report: dict[str, Any], path: str) -> None:
                                              "pip install 'mla-sm120-plugin[plot]'")) from exc
     rows = report["results"]
     labels = [f"T={r['num_tokens']}\nH={r['num_heads']}" for r in rows]
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, len(rows) * 1.1), 8), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, len(rows) * 1.2), 11), sharex=True)
     width = 0.8 / len(KERNELS)
     for i, name in enumerate(KERNELS):
         xs = [j + i * width for j in range(len(rows))]
-        axes[0].bar(xs, [r[name].get("gbps", 0) for r in rows], width, label=name)
-        axes[1].bar(xs, [r[name].get("tflops", 0) for r in rows], width, label=name)
+        axes[0].bar(xs, [_table_entry(r, name).get("gbps", 0) for r in rows], width, label=name)
+        axes[1].bar(xs, [_table_entry(r, name).get("tflops", 0) for r in rows], width, label=name)
     axes[0].axhline(report["ceilings"]["copy_gbps"], color="k", linestyle="--", label="copy bandwidth")
     axes[1].axhline(report["ceilings"]["matmul_tflops"], color="k", linestyle="--", label="bf16 matmul")
+    series = sorted({(k, label) for r in rows for k in TRITON_KERNELS for label in r["kernels"].get(k, {})})
+    cand_width = 0.8 / max(len(series), 1)
+    for i, (kernel, label) in enumerate(series):
+        xs = [j + i * cand_width for j in range(len(rows))]
+        axes[2].bar(xs, [r["kernels"].get(kernel, {}).get(label, {}).get("graph_us", 0) for r in rows], cand_width,
+                    label=f"{kernel.replace('triton_sparse_mla', 'triton')} {label}")
+    axes[2].set_yscale("log")
     axes[0].set_ylabel("GB/s (cache bytes / graph time)")
     axes[1].set_ylabel("TFLOP/s")
-    axes[1].set_xticks([j + width * (len(KERNELS) - 1) / 2 for j in range(len(rows))], labels)
-    axes[0].set_title(f"sparse MLA, fp8_ds_mla, topk {TOPK}, bf16 q - {report['device']}")
+    axes[2].set_ylabel("graph us (every candidate config)")
+    axes[2].set_xticks([j + 0.4 for j in range(len(rows))], labels)
+    note = f"\n{report['fast_kernel_note']}" if report.get("fast_kernel_note") else ""
+    axes[0].set_title(f"sparse MLA, fp8_ds_mla, topk {TOPK}, bf16 q - {report['device']}{note}", fontsize=9)
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

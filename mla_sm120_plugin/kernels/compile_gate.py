@@ -3,9 +3,22 @@
 Triton's interpreter runs a kernel as Python: both branches of a constexpr ``if``, no type
 unification, no register allocation. So a kernel that passes every CPU test can still fail to
 compile, or spill, on a real GPU. This module builds each variant the way a launch would (same
-signature, same argument specialization) with ``triton.compile`` for a :class:`GPUTarget`, then
-reads its resources from the ptxas Triton bundles (``ptxas -v``): registers, spill bytes and the
-stack frame. ``shared_bytes`` is what Triton reserves as dynamic shared memory for the launch.
+signature, same argument specialization, same ``num_warps``/``num_stages``/``maxnreg``) with
+``triton.compile`` for a :class:`GPUTarget`, then reads what decides its speed from the tools
+Triton bundles:
+
+* ``ptxas -v``: registers, spill bytes and the stack frame;
+* ``shared_bytes``: the dynamic shared memory Triton reserves for the launch;
+* ``cuobjdump -res-usage`` on the cubin Triton built: registers, stack and static shared memory;
+* ``nvdisasm`` on that cubin: ``mma`` (each SASS MMA instruction kind and its count, e.g.
+  ``QMMA.SF.16832.F32.E4M3.E4M3.E8``) and ``global_loads`` (each global-load kind with its width:
+  ``LDG.E.128``, ``LDGSTS.E.BYPASS.128`` - asynchronous copies to shared memory - ...);
+* ``ctas_per_sm``: the smaller of the register, shared-memory and thread limits of one SM of the
+  target at the variant's warps (:data:`SM_LIMITS`), with ``ctas_limited_by`` naming the limit.
+
+The gate (:func:`gate_failures`): every variant compiles, without spills, within a block's shared
+memory; a fast fp8 variant (``kernel=sparse_mla_fast``) compiled for sm_120a/sm_121a must also run
+its latent dots as fp8 MMAs (``QMMA``) and fit at least two CTAs per SM.
 
 Used by ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite.
 """
@@ -26,6 +39,19 @@ from mla_sm120_plugin.kernels import layout
 # Compute capability as Triton's GPUTarget takes it -> shared memory one block may use (bytes).
 ARCHES = {120: 101_376, 121: 101_376, 90: 232_448}
 WARP_SIZE = 32
+# Per-SM limits (CUDA C Programming Guide, compute capabilities table): 32-bit registers, shared
+# memory, resident threads and CTAs; registers are allocated per warp in units of 256 (8 a
+# thread), and the driver reserves 1 KB of shared memory per CTA.
+SM_LIMITS = {
+    120: dict(registers=65_536, shared=102_400, threads=1_536, ctas=32),
+    121: dict(registers=65_536, shared=102_400, threads=1_536, ctas=32),
+    90: dict(registers=65_536, shared=233_472, threads=2_048, ctas=32),
+}
+_REG_UNIT = 256
+_RESERVED_SHARED_PER_CTA = 1_024
+FAST_KERNEL = "sparse_mla_fast"  # the variants the fp8 rules apply to (their describe's kernel=)
+FP8_MMA_ARCHES = (120, 121)  # where a fast variant must show QMMA and two CTAs per SM
+MIN_FAST_CTAS_PER_SM = 2
 _REPRESENTATIVE_TOKENS = 4  # strides below come from a [4, H, 576] q; any T > 1 specializes the same
 _REPRESENTATIVE_HEADS = 40  # not a multiple of 16, so head strides specialize as in the worst case
 
@@ -36,22 +62,26 @@ def _describe(describe: dict[str, Any]) -> str:
 
 def launches() -> list[Any]:
     """One :class:`~mla_sm120_plugin.kernels.triton.Launch` per distinct variant the dispatcher can
-    launch: cache layout x output dtype (q's: bf16 or fp32; q itself is always bf16 on a GPU) x
-    final/split x every block configuration of :func:`~mla_sm120_plugin.kernels.triton.launch_config`,
-    with the combine kernel for each output dtype. Built by the same ``launch_plan`` a call runs, on
-    small CPU tensors (never launched)."""
+    launch: for the exact kernel, cache layout x output dtype (q's: bf16 or fp32; q itself is
+    always bf16 on a GPU) x final/split; for the fast kernel the same over the fp8_ds_mla cache (a
+    bf16 cache goes to the exact kernel); with the combine kernel for each partial and output dtype.
+    Built by the same ``launch_plan`` a call runs, on small CPU tensors (never launched)."""
     import torch
 
     from mla_sm120_plugin.kernels import pack
     from mla_sm120_plugin.kernels import triton as tk
+    from mla_sm120_plugin.kernels import triton_fast as tf
+    from mla_sm120_plugin.kernels import triton_plan
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
     found: dict[str, Any] = {}
-    for cfg in tk.launch_variants():
-        for cache_layout in layout.KV_LAYOUTS:
+    kinds = [(tk.launch_plan, cfg, layout.KV_LAYOUTS) for cfg in tk.launch_variants()]
+    kinds += [(tf.launch_plan, triton_plan.FAST.config(splits, 2), (layout.FP8_DS_MLA,)) for splits in (1, 2)]
+    for make_plan, cfg, cache_layouts in kinds:
+        for cache_layout in cache_layouts:
             for q_dtype in (torch.bfloat16, torch.float32):
                 q = torch.empty(tokens, heads, layout.HEAD_DIM, dtype=q_dtype)
-                plan = tk.launch_plan(
+                plan = make_plan(
                     q, pack.make_cache(2, cache_layout), torch.empty(tokens, 64, dtype=torch.int32),
                     sm_scale=0.1, kv_layout=cache_layout, topk_length=torch.empty(tokens, dtype=torch.int32),
                     sink=torch.empty(heads), out=torch.empty(tokens, heads, layout.KV_LORA_RANK, dtype=q_dtype),
@@ -115,6 +145,61 @@ def _ptxas_resources(ptx: str, arch: int) -> dict[str, int]:
                 spill_bytes=int(spills.group(2)), spill_load_bytes=int(spills.group(3)))
 
 
+def _bundled_tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+_RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# An instruction line of nvdisasm -c: /*0420*/  [@[!]P0]  OPCODE.MODIFIERS operands ;
+_SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def _cubin_readings(cubin: bytes) -> dict[str, Any]:
+    """Registers, stack, static shared memory (``cuobjdump -res-usage``), SASS MMA kinds and
+    global-load kinds with their counts (``nvdisasm -c``), from the cubin Triton built."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([_bundled_tool("cuobjdump"), "-res-usage", str(path)], capture_output=True,
+                               text=True, timeout=600)
+        sass = subprocess.run([_bundled_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True,
+                              timeout=600)
+    found = _RES_USAGE.search(usage.stdout)
+    if usage.returncode != 0 or found is None or sass.returncode != 0:
+        raise RuntimeError(f"cuobjdump/nvdisasm failed: {(usage.stderr + sass.stderr).strip()[-500:]}")
+    mma: dict[str, int] = {}
+    loads: dict[str, int] = {}
+    for line in sass.stdout.splitlines():
+        op = _SASS_OPCODE.search(line)
+        if op is None:
+            continue
+        name = op.group(1)
+        if "MMA" in name.split(".")[0]:
+            mma[name] = mma.get(name, 0) + 1
+        elif name.startswith(("LDG", "LDGSTS")) and not name.startswith("LDGDEPBAR"):
+            loads[name] = loads.get(name, 0) + 1
+    return dict(cubin_registers=int(found.group(1)), cubin_stack_bytes=int(found.group(2)),
+                static_shared_bytes=int(found.group(3)), local_bytes=int(found.group(4)),
+                mma=dict(sorted(mma.items())), global_loads=dict(sorted(loads.items())))
+
+
+def ctas_per_sm(arch: int, registers: int, warps: int, shared_bytes: int) -> tuple[int, str]:
+    """CTAs of a kernel one SM of ``sm_<arch>`` holds, and the limit that decides it
+    (``registers``, ``shared`` or ``threads``); ``shared_bytes`` is the CTA's dynamic + static."""
+    lim = SM_LIMITS[arch]
+    regs_per_warp = -(-registers * WARP_SIZE // _REG_UNIT) * _REG_UNIT
+    by = dict(
+        registers=lim["registers"] // (regs_per_warp * warps),
+        shared=lim["shared"] // (shared_bytes + _RESERVED_SHARED_PER_CTA),
+        threads=lim["threads"] // (warps * WARP_SIZE),
+        ctas=lim["ctas"],
+    )
+    limit = min(by, key=by.get)
+    return by[limit], limit
+
+
 def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
     """Compile one launch's variant for ``sm_<arch>a``; a failure is a result (``compiled: False``)."""
     import triton
@@ -123,17 +208,44 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
 
     row: dict[str, Any] = dict(variant=_describe(launch.describe), compiled=False, registers=None,
                                spill_bytes=None, spill_load_bytes=None, stack_bytes=None, shared_bytes=None,
+                               ctas_per_sm=None, ctas_limited_by=None, mma=None, global_loads=None,
                                error=None, **launch.describe)
     try:
         signature, consts, attrs = _specialize(launch.kernel, list(launch.args), launch.constexprs, arch)
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        if getattr(launch, "maxnreg", None) is not None:
+            options["maxnreg"] = launch.maxnreg
         compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=consts, attrs=attrs),
-                                  target=GPUTarget("cuda", arch, WARP_SIZE), options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                                  target=GPUTarget("cuda", arch, WARP_SIZE), options=options)
         row.update(_ptxas_resources(compiled.asm["ptx"], arch))
         row["shared_bytes"] = int(compiled.metadata.shared)
+        row.update(_cubin_readings(compiled.asm["cubin"]))
+        row["ctas_per_sm"], row["ctas_limited_by"] = ctas_per_sm(
+            arch, row["cubin_registers"], launch.num_warps, row["shared_bytes"] + row["static_shared_bytes"])
         row["compiled"] = True
     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is what this reports
         row["error"] = f"{type(exc).__name__}: {str(exc).strip()[-800:]}"
     return row
+
+
+def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
+    """Why the variants of ``arch`` fail the gate (empty: they pass); see the module docstring."""
+    failures = []
+    for r in rows:
+        if not r["compiled"]:
+            failures.append(f"{r['variant']}: does not compile: {r['error']}")
+            continue
+        if r["spill_bytes"] or r["stack_bytes"] or r["local_bytes"]:
+            failures.append(f"{r['variant']}: spills ({r['spill_bytes']} B spilled, {r['stack_bytes']} B stack)")
+        if r["shared_bytes"] > ARCHES[arch]:
+            failures.append(f"{r['variant']}: {r['shared_bytes']} B of shared memory > {ARCHES[arch]} B a block")
+        if r["kernel"] == FAST_KERNEL and arch in FP8_MMA_ARCHES:
+            if not any(kind.startswith("QMMA") for kind in r["mma"]):
+                failures.append(f"{r['variant']}: no fp8 MMA (QMMA) in its SASS: {r['mma']}")
+            if r["ctas_per_sm"] < MIN_FAST_CTAS_PER_SM:
+                failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {MIN_FAST_CTAS_PER_SM}, "
+                                f"limited by {r['ctas_limited_by']})")
+    return failures
 
 
 def report(arch: int) -> dict[str, Any]:
@@ -162,15 +274,20 @@ def _report_here(arch: int) -> dict[str, Any]:
 
     rows = [compile_launch(launch, arch) for launch in launches()]
     compiled = [r for r in rows if r["compiled"]]
+    failures = gate_failures(arch, rows)
     return dict(
         arch=arch,
         target=f"sm_{arch}a",
         triton=triton.__version__,
         shared_limit_bytes=ARCHES[arch],
+        sm_limits=SM_LIMITS[arch],
         all_compiled=len(compiled) == len(rows),
         max_spill_bytes=max((r["spill_bytes"] for r in compiled), default=None),
         max_shared_bytes=max((r["shared_bytes"] for r in compiled), default=None),
         max_registers=max((r["registers"] for r in compiled), default=None),
+        min_fast_ctas_per_sm=min((r["ctas_per_sm"] for r in compiled if r["kernel"] == FAST_KERNEL), default=None),
+        gate_passed=not failures,
+        gate_failures=failures,
         variants=rows,
     )
 

@@ -9,6 +9,7 @@ import pytest
 import cpu_memory  # benchmarks/ is on pytest's pythonpath
 from helpers import ON_GPU
 from mla_sm120_plugin.kernels import bench
+from mla_sm120_plugin.kernels import triton_plan as plan
 
 
 def test_cpu_quick_report(monkeypatch):
@@ -28,25 +29,43 @@ def test_cpu_quick_report(monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="timings need a CUDA GPU (mla-sm120 bench on a GPU machine runs it)")
 def test_gpu_quick_report(tmp_path):
-    report = json.loads(json.dumps(bench.run_gpu_benchmarks(quick=True)))
+    report = json.loads(json.dumps(bench.run_gpu_benchmarks(quick=True, compile_report=False)))
     assert report["ceilings"]["copy_gbps"] > 0 and report["ceilings"]["matmul_tflops"] > 0
     for row in report["results"]:
-        triton_row = row["triton_sparse_mla"]
-        assert "error" not in triton_row, triton_row
-        assert triton_row["graph_us"] > 0 and triton_row["max_rel_diff"] < 2e-2
+        for kernel in bench.TRITON_KERNELS:
+            for label, entry in row["kernels"][kernel].items():
+                assert "error" not in entry, (kernel, label, entry)
+                assert entry["graph_us"] > 0 and entry["max_rel_diff"] < entry["tolerance"], (kernel, label, entry)
+                assert entry["traffic"]["total"] >= entry["traffic"]["minimum"]
+                assert ("note" in entry) == (kernel == plan.FAST.name and report["capability"].startswith("9."))
     pytest.importorskip("matplotlib")
     bench.plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_candidate_configs_start_with_the_table_and_cover_top_k():
+    for kernel in bench.TRITON_KERNELS:
+        for tokens, heads in bench.SHAPES:
+            found = bench.candidate_configs(kernel, tokens, heads, bench.TOPK, "sm120")
+            assert next(iter(found)) == bench.TABLE
+            assert found[bench.TABLE] == plan.launch_config(kernel, tokens, heads, bench.TOPK, "sm120")
+            assert len(set(found.values())) == len(found) >= 2  # something to compare the table's choice with
+            for cfg in found.values():
+                blocks = -(-bench.TOPK // cfg.block_k)
+                assert (cfg.num_splits - 1) * cfg.blocks_per_split < blocks <= cfg.num_splits * cfg.blocks_per_split
+
+
 def test_plot_draws_both_ceilings(tmp_path):
     """The picture from a report of the shape run_gpu_benchmarks returns (on a GPU, the test above
-    plots a real one): one bar per kernel and shape, a ceiling line per panel."""
+    plots a real one): one bar per kernel and shape, a ceiling line per panel, every candidate's time."""
     pytest.importorskip("matplotlib")
-    row = lambda t, h, frac: dict(num_tokens=t, num_heads=h, **{  # noqa: E731
-        "triton_sparse_mla": dict(gbps=4000 * frac, tflops=700 * frac),
-        "flashinfer_sparse_mla": dict(error="KernelUnavailable: not an SM120 GPU")})
+    entry = lambda frac: dict(gbps=4000 * frac, tflops=700 * frac, graph_us=10 / frac)  # noqa: E731
+    row = lambda t, h, frac: dict(num_tokens=t, num_heads=h, kernels={  # noqa: E731
+        "triton_sparse_mla": {"table": entry(frac), "double_splits": entry(frac / 2)},
+        "triton_sparse_mla_fast": {"table": entry(2 * frac), "one_split": dict(error="boom")},
+        "flashinfer_sparse_mla": {"table": dict(error="KernelUnavailable: not an SM120 GPU")}})
     report = dict(device="NVIDIA H200", ceilings=dict(copy_gbps=4246.0, matmul_tflops=797.0),
+                  fast_kernel_note=bench.SM90_FAST_NOTE,
                   results=[row(1, 16, 0.1), row(64, 8, 0.5), row(2048, 128, 0.3)])
     bench.plot(report, str(tmp_path / "bench.png"))
     import matplotlib.image

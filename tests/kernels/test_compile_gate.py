@@ -1,24 +1,25 @@
 """The compile gate: every Triton variant the dispatcher can launch compiles for sm_120a, sm_121a
-and sm_90a on this CPU-only machine, without spills and within the shared memory of a block.
+and sm_90a on this CPU-only machine, without spills and within the shared memory of a block; the
+fast fp8 variants run fp8 MMAs (QMMA) with two CTAs per SM on sm_120a/121a.
 
 The interpreter runs kernels as Python (both branches of a constexpr ``if``, no register
 allocation), so this is the test that sees what a real GPU would: compile errors, spills, shared
-memory. Numbers come from the ptxas Triton bundles (``ptxas -v``).
+memory, the MMA instructions and occupancy. Numbers come from the tools Triton bundles (``ptxas
+-v``, and ``cuobjdump -res-usage`` / ``nvdisasm`` on the cubin Triton built).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from helpers import run_cli
+from helpers import clean_env, run_cli
 from mla_sm120_plugin.kernels import compile_gate
 from mla_sm120_plugin.kernels import triton as tk
+from mla_sm120_plugin.kernels import triton_plan as plan
 
 
 @pytest.fixture(scope="module", params=sorted(compile_gate.ARCHES))
@@ -30,9 +31,74 @@ def test_every_variant_compiles_without_spills_within_shared_memory(gate):
     failed = [(v["variant"], v["error"]) for v in gate["variants"] if not v["compiled"]]
     assert not failed, failed
     for v in gate["variants"]:
-        assert v["spill_bytes"] == 0 and v["stack_bytes"] == 0, v
-        assert 0 < v["registers"] <= 255, v
+        assert v["spill_bytes"] == 0 and v["stack_bytes"] == 0 and v["local_bytes"] == 0, v
+        assert 0 < v["registers"] <= 255 and v["cubin_registers"] == v["registers"], v
         assert v["shared_bytes"] <= gate["shared_limit_bytes"], v
+        assert v["ctas_per_sm"] >= 1 and v["ctas_limited_by"], v
+    assert gate["gate_passed"], gate["gate_failures"]
+
+
+def _fast(gate):
+    rows = [v for v in gate["variants"] if v["kernel"] == compile_gate.FAST_KERNEL]
+    assert len(rows) == 3, [v["variant"] for v in gate["variants"]]  # final bf16/fp32 out, split
+    return rows
+
+
+def test_fast_variants_run_fp8_mmas_with_two_ctas_per_sm(gate):
+    for v in _fast(gate):
+        kinds = set(v["mma"])
+        if gate["arch"] in compile_gate.FP8_MMA_ARCHES:
+            # Every latent dot is the block-scaled fp8 MMA (full rate on GeForce); only the rope dot
+            # is bf16.
+            assert {k for k in kinds if k.startswith("QMMA")} == {"QMMA.SF.16832.F32.E4M3.E4M3.E8"}, v["mma"]
+            assert v["ctas_per_sm"] >= compile_gate.MIN_FAST_CTAS_PER_SM, v
+        else:  # sm_90a has no fp8 mma.sync: Triton widens the fp8 operands (emulated, same values)
+            assert not any(k.startswith("QMMA") for k in kinds) and any(k.startswith("HMMA") for k in kinds), v
+        # Rows are gathered by asynchronous copies into shared memory, issued a step ahead.
+        assert any(k.startswith("LDGSTS") and k.endswith((".64", ".128")) for k in v["global_loads"]), v
+
+
+def test_exact_variants_use_bf16_mmas(gate):
+    for v in gate["variants"]:
+        if v["kernel"] == "sparse_mla":
+            assert set(v["mma"]) == {"HMMA.16816.F32.BF16"}, v
+
+
+def test_the_plan_assumes_no_more_ctas_per_sm_than_compiled(gate):
+    """The configuration table sizes its waves with each kernel's CTAs per SM: never more than the
+    compiler's."""
+    family = plan.family_of(gate["arch"] // 10, gate["arch"] % 10)
+    for kernel, shape in (("sparse_mla", plan.EXACT), (compile_gate.FAST_KERNEL, plan.FAST)):
+        rows = [v for v in gate["variants"]
+                if v["kernel"] == kernel and (kernel != "sparse_mla" or v["cache"] == "fp8_ds_mla")]
+        assert rows and min(v["ctas_per_sm"] for v in rows) >= shape.ctas_per_sm[family], rows
+
+
+def test_gate_rules_fail_what_they_should():
+    """Synthetic rows: the rules themselves, without compiling."""
+    good = dict(variant="v", compiled=True, error=None, kernel=compile_gate.FAST_KERNEL, spill_bytes=0, stack_bytes=0,
+                local_bytes=0, shared_bytes=48_640, mma={"QMMA.SF.16832.F32.E4M3.E4M3.E8": 24}, ctas_per_sm=2,
+                ctas_limited_by="registers")
+    assert compile_gate.gate_failures(120, [good]) == []
+    bad = {
+        "no QMMA": dict(mma={"HMMA.16816.F32.BF16": 52}),
+        "1 CTA per SM": dict(ctas_per_sm=1),
+        "spills": dict(spill_bytes=8, stack_bytes=8),
+        "shared memory": dict(shared_bytes=200_000),
+        "does not compile": dict(compiled=False, error="boom"),
+    }
+    for what, change in bad.items():
+        assert compile_gate.gate_failures(120, [{**good, **change}]), what
+    # sm_90a has no fp8 mma.sync and its own occupancy: only the general rules apply there.
+    assert compile_gate.gate_failures(90, [{**good, "mma": {"HMMA.16816.F32.BF16": 52}, "ctas_per_sm": 1}]) == []
+
+
+def test_ctas_per_sm_takes_the_tightest_limit():
+    assert compile_gate.ctas_per_sm(120, 128, 8, 48_640 + 1_024) == (2, "registers")
+    assert compile_gate.ctas_per_sm(120, 176, 8, 27_264) == (1, "registers")
+    assert compile_gate.ctas_per_sm(120, 64, 4, 60_000) == (1, "shared")
+    assert compile_gate.ctas_per_sm(120, 32, 16, 0) == (3, "threads")
+    assert compile_gate.ctas_per_sm(90, 128, 8, 48_640) == (2, "registers")
 
 
 def test_variants_cover_every_launch_the_dispatcher_makes(gate):
@@ -44,16 +110,20 @@ def test_variants_cover_every_launch_the_dispatcher_makes(gate):
                     continue
                 assert (f"kernel=sparse_mla q=bf16 cache={cache} out={out} final={final} block_h={cfg.block_h} "
                         f"block_k={cfg.block_k} warps={cfg.num_warps} stages={cfg.num_stages}") in texts
-    for out in ("bf16", "fp32"):
-        assert any(t.startswith(f"kernel=combine out={out} ") for t in texts), texts
+    fast = plan.FAST
+    for out, final in (("bf16", 1), ("fp32", 1), ("bf16", 0)):  # split partials are bf16
+        cap = "" if fast.maxnreg is None else f" maxnreg={fast.maxnreg}"
+        assert (f"kernel=sparse_mla_fast q=bf16 cache=fp8_ds_mla out={out} final={final} block_h={fast.block_h} "
+                f"block_k={fast.block_k} warps={fast.num_warps} stages={fast.num_stages}{cap}") in texts
+    for part, out in (("fp32", "bf16"), ("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
+        assert any(t.startswith(f"kernel=combine part={part} out={out} ") for t in texts), texts
 
 
 def test_the_gate_reports_what_only_a_compiler_sees():
     """The bug class that hid the bf16 failure (a helper whose constexpr branches return different
     dtypes): the interpreter runs it, the gate reports a compile error."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("probe_two_returns.py"))],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=clean_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["compiled"] is False and "return" in row["error"].lower(), row
@@ -65,8 +135,10 @@ def test_cli_compile_only_json():
     report = json.loads(done.stdout)
     assert report["arch"] == 121 and report["variants"]
     for v in report["variants"]:
-        assert {"variant", "compiled", "registers", "spill_bytes", "shared_bytes", "error"} <= set(v)
+        assert {"variant", "compiled", "registers", "spill_bytes", "shared_bytes", "error", "ctas_per_sm", "mma",
+                "global_loads"} <= set(v)
         assert v["compiled"] and v["spill_bytes"] == 0 and v["shared_bytes"] <= 101_376
+    assert report["gate_passed"] and report["min_fast_ctas_per_sm"] >= 2
 
 
 def test_cli_unknown_arch_is_refused():
