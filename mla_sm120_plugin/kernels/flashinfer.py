@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import math
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..device import find_nvcc, nvcc_version
@@ -593,6 +594,114 @@ def _get_wrapper(device: torch.device, kv_scale_format: str):
     return wrapper
 
 
+@dataclass(frozen=True)
+class NativeCall:
+    """One ``SparseMLASm120Wrapper.run`` call, prepared: everything but the launch.
+
+    :param kwargs: the ``run`` keyword arguments; None when there is nothing to launch (no tokens).
+    :param kv_scale_format: FlashInfer's name of the cache's scale format (selects the wrapper).
+    :param out: [T, H, 512] bfloat16, what ``run`` writes.
+    :param native_lse: [T, H] float32 that ``run`` writes (natural log when a sink is given), or None.
+    :param sink: [H] float32 or None. :param lse_base: what the caller asked for.
+    """
+
+    kwargs: dict[str, Any] | None
+    kv_scale_format: str
+    out: torch.Tensor
+    native_lse: torch.Tensor | None
+    sink: torch.Tensor | None
+    lse_base: str
+
+    def result(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What :func:`flashinfer_sparse_mla` returns once ``run`` has written ``out``."""
+        if self.native_lse is None:
+            return self.out
+        return self.out, sink_free_lse(self.native_lse, self.sink, self.lse_base)
+
+
+def prepare_call(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float,
+    kv_layout: str,
+    topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_base: str = "e",
+    sink: torch.Tensor | None = None,
+    scale_format: str,
+    require_cuda: bool = True,
+) -> NativeCall:
+    """Check a call and build the native arguments, without a GPU: input checks, FlashInfer's live
+    envelope, the page-gap rule of its prefill path, out-of-range ids masked, dense lengths, the LSE
+    base. Arguments as :func:`flashinfer_sparse_mla`; ``require_cuda=False`` checks CPU tensors.
+
+    :raises KernelInputError: naming what was given and what is accepted.
+    """
+    import torch
+
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+        raise _bad_input(
+            f"sm_scale of type {type(sm_scale).__name__}",
+            "a Python float (the kernel takes it as a launch argument)",
+            "pass float(layer.scaling) once at init, not a tensor",
+        )
+    kv_cache = check_inputs(q, kv_cache, indices, topk_length=topk_length, sink=sink, out=out, lse_base=lse_base,
+                            require_cuda=require_cuda)
+    num_tokens, num_heads, _ = q.shape
+    fmt = native_format(scale_format)
+    limit = _sparse_configs()[fmt.family].max_num_tokens
+    outside = envelope_reasons(
+        phase="decode" if num_tokens <= limit else "prefill",
+        num_heads=num_heads,
+        topk=indices.shape[1],
+        max_tokens=num_tokens,
+        kv_layout=kv_layout,
+        scale_format=scale_format,
+        source=LIVE,
+    )
+    if outside:
+        raise _bad_input(
+            "; ".join(outside),
+            "the shapes envelope_reasons() accepts",
+            "route this shape to the triton or torch kernel (the selection does so at init)",
+        )
+    _, _, num_slots, packed_pages = _kv_pages(kv_cache)
+    if num_tokens > limit and not packed_pages:
+        raise _bad_input(
+            f"{num_tokens} tokens on a page-strided kv_cache (page stride {kv_cache.stride(0)} bytes)",
+            f"page gaps only in calls of <= {limit} tokens (flashinfer's prefill needs back-to-back pages)",
+            "split the call into <= 64-token pieces or pass a cache whose pages are contiguous",
+        )
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=q.device)
+    out_lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if sink is not None:
+        sink = sink.to(torch.float32).contiguous()
+    if num_tokens == 0:
+        return NativeCall(None, fmt.kv_scale_format, out, out_lse, None, lse_base)
+    if topk_length is not None:
+        # Native code indexes it densely: a strided or expanded view is copied (T ints).
+        topk_length = topk_length.to(torch.int32).contiguous()
+    # Native LSE is base 2; lse_scale rescales it in the kernel. The sink correction works in
+    # natural units, so a sink with a base-2 request goes through e and is converted afterwards.
+    native_base2 = return_lse and lse_base == "2" and sink is None
+    kwargs = _native_call_kwargs(
+        q.contiguous(),
+        kv_cache,
+        mask_out_of_range(indices, num_slots),
+        out,
+        sm_scale=sm_scale,
+        topk_length=topk_length,
+        sink=sink,
+        out_lse=out_lse,
+        lse_scale=1.0 if native_base2 else _LN2,
+    )
+    return NativeCall(kwargs, fmt.kv_scale_format, out, out_lse, sink, lse_base)
+
+
 def flashinfer_sparse_mla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -634,70 +743,16 @@ def flashinfer_sparse_mla(
     reasons = probe()
     if reasons:
         raise _unavailable(reasons)
-    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
-        raise _bad_input(
-            f"sm_scale of type {type(sm_scale).__name__}",
-            "a Python float (the kernel takes it as a launch argument)",
-            "pass float(layer.scaling) once at init, not a tensor",
-        )
-    kv_cache = check_inputs(q, kv_cache, indices, topk_length=topk_length, sink=sink, out=out, lse_base=lse_base)
     import torch
 
+    call = prepare_call(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
+                        out=out, return_lse=return_lse, lse_base=lse_base, sink=sink, scale_format=scale_format)
+    if call.kwargs is None:  # no tokens: nothing to launch
+        return call.result()
     num_tokens, num_heads, _ = q.shape
     topk = indices.shape[1]
-    fmt = native_format(scale_format)
-    limit = _sparse_configs()[fmt.family].max_num_tokens
-    outside = envelope_reasons(
-        phase="decode" if num_tokens <= limit else "prefill",
-        num_heads=num_heads,
-        topk=topk,
-        max_tokens=num_tokens,
-        kv_layout=kv_layout,
-        scale_format=scale_format,
-        source=LIVE,
-    )
-    if outside:
-        raise _bad_input(
-            "; ".join(outside),
-            "the shapes envelope_reasons() accepts",
-            "route this shape to the triton or torch kernel (the selection does so at init)",
-        )
-    _, _, num_slots, packed_pages = _kv_pages(kv_cache)
-    if num_tokens > limit and not packed_pages:
-        raise _bad_input(
-            f"{num_tokens} tokens on a page-strided kv_cache (page stride {kv_cache.stride(0)} bytes)",
-            f"page gaps only in calls of <= {limit} tokens (flashinfer's prefill needs back-to-back pages)",
-            "split the call into <= 64-token pieces or pass a cache whose pages are contiguous",
-        )
-
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=q.device)
-    if num_tokens == 0:
-        empty = torch.empty(0, num_heads, dtype=torch.float32, device=q.device)
-        return (out, empty) if return_lse else out
-
-    wrapper = _get_wrapper(q.device, fmt.kv_scale_format)  # before any launch: may refuse under capture
-    indices = mask_out_of_range(indices, num_slots)
-    if topk_length is not None:
-        # Native code indexes it densely: a strided or expanded view is copied (T ints).
-        topk_length = topk_length.to(torch.int32).contiguous()
-    if sink is not None:
-        sink = sink.to(torch.float32).contiguous()
-    out_lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    # Native LSE is base 2; lse_scale rescales it in the kernel. The sink correction below works in
-    # natural units, so a sink with a base-2 request goes through e and is converted afterwards.
-    native_base2 = return_lse and lse_base == "2" and sink is None
-    kwargs = _native_call_kwargs(
-        q.contiguous(),
-        kv_cache,
-        indices,
-        out,
-        sm_scale=sm_scale,
-        topk_length=topk_length,
-        sink=sink,
-        out_lse=out_lse,
-        lse_scale=1.0 if native_base2 else _LN2,
-    )
+    wrapper = _get_wrapper(q.device, call.kv_scale_format)  # before any launch: may refuse under capture
+    kwargs = call.kwargs
     capturing = torch.cuda.is_current_stream_capturing()
     try:
         wrapper.run(**kwargs)
@@ -717,6 +772,4 @@ def flashinfer_sparse_mla(
             "route this shape to the triton or torch kernel",
         ) from error
 
-    if not return_lse:
-        return out
-    return out, sink_free_lse(out_lse, sink, lse_base)
+    return call.result()
