@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
-
 import math
+import struct
 
+import layout_oracle
+import numpy
 import pytest
 import torch
 
@@ -39,17 +41,21 @@ def _tile_amax(latent: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
-def test_tile_bytes_are_fp8_of_value_over_own_scale(scale_format):
-    latent = _latent(10)
+def test_tile_bytes_are_the_nearest_fp8_of_value_over_own_scale(scale_format):
+    """Read back by the independent decoder (tests/layout_oracle.py): each latent byte is the e4m3
+    value nearest to x / its tile's stored scale (ties to even, saturating at 448), the quotient
+    taken in float32 as the packer documents."""
+    latent = _latent(6)
     packed = pack.quantize_fp8_ds_mla(latent, scale_format)
-    assert packed.dtype == torch.uint8 and packed.shape == (10, layout.FP8_DS_MLA_TOKEN_BYTES)
-    scales = _scales(packed)
-    for tile in range(layout.FP8_NUM_TILES):
-        lo = layout.FP8_NOPE_OFFSET + tile * TILE
-        stored = packed[:, lo : lo + TILE].contiguous()  # fp8 bits of tile `tile`
-        x = latent[:, tile * TILE : (tile + 1) * TILE].float()
-        expected = (x / scales[:, tile : tile + 1]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        assert torch.equal(stored, expected.view(torch.uint8)), f"tile {tile} bytes"
+    assert packed.dtype == torch.uint8 and packed.shape == (6, layout.FP8_DS_MLA_TOKEN_BYTES)
+    raw = packed.numpy().tobytes()
+    for r in range(6):
+        row = raw[r * 656:(r + 1) * 656]
+        scales = struct.unpack("<4f", row[512:528])
+        for i in range(512):
+            quotient = float(numpy.float32(float(latent[r, i])) / numpy.float32(scales[i // TILE]))
+            want = layout_oracle.nearest_e4m3(quotient)
+            assert layout_oracle.e4m3fn(row[i]) == want, (r, i)
 
 
 def test_pow2_scales_are_smallest_power_of_two_covering_amax():
@@ -104,6 +110,10 @@ def test_round_trip_within_e4m3_rounding(scale_format):
     bound = 2.0**-4 * x[:, : layout.KV_LORA_RANK].abs() + 2.0**-10 * scale
     assert torch.all(err <= bound * (1 + 1e-6))
     assert torch.equal(back[:, layout.KV_LORA_RANK :], x[:, layout.KV_LORA_RANK :])
+    # The values are the bytes' values, as a decoder written from the layout reads them (exact in
+    # float64; the packer's fp32 product rounds once).
+    torch.testing.assert_close(back.double(), layout_oracle.decode_cache(packed, layout.FP8_DS_MLA),
+                               rtol=2.0**-24, atol=0)
     # Dequantizing a [P, page, 656] view gives the same values.
     assert torch.equal(pack.dequantize_fp8_ds_mla(packed.view(4, 5, -1)).view(20, -1), back)
 

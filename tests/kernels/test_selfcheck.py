@@ -16,7 +16,7 @@ CASES = [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY), (layout.FP8_DS_MLA, layout
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 @pytest.mark.parametrize("kv_layout, scale_format", CASES)
-@pytest.mark.parametrize("kernel", [TRITON, TORCH])
+@pytest.mark.parametrize("kernel", [TRITON])  # not the torch reference: it is the check's own ground truth
 def test_builtin_kernels_pass_here(kernel, kv_layout, scale_format, phase):
     result = selfcheck.check(bind(kernel), phase=phase, kv_layout=kv_layout, scale_format=scale_format,
                              num_heads=5, topk=100, device=DEVICE)

@@ -14,7 +14,6 @@ import types
 
 import pytest
 import torch
-from helpers import assert_kernel_close
 from model_configs import write_model
 from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache
 from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
@@ -29,7 +28,6 @@ from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
 from mla_sm120_plugin.kernels import layout
 from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
 from mla_sm120_plugin.kernels.triton import triton_sparse_mla
 
 HEADS, TOPK, PAGES, SEQ = 16, 64, 4, 200  # 256 slots; every request sees 200 tokens
@@ -111,12 +109,12 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     slots[1, 0] = PAGES * layout.PAGE_SIZE + 5  # out of range: masked, never read
     sm_scale = 1 / math.sqrt(layout.HEAD_DIM)
     phase_entry = getattr(hooks, f"around_{entry}")
+    ran: list = []
+    _spy_on_bound_kernels(ran)
     out = _through_sglang(phase_entry, mode, q, cache, dim, slots, lengths, sm_scale)
-    kv_layout = layout.FP8_DS_MLA if kv == "fp8_e4m3" else layout.BF16
-    rows = cache.view(torch.uint8).view(-1, dim) if kv == "fp8_e4m3" else cache.view(-1, dim)
-    ref = torch_sparse_mla(q, rows, slots, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=lengths)
     assert out.shape == (num_tokens, HEADS, layout.KV_LORA_RANK) and out.dtype == torch.bfloat16
-    assert_kernel_close(out, ref)
+    # The phase reached the kernel the decision bound for it.
+    assert [kernel_name for kernel_name, *_ in ran] == [kernel]
     # Against attention computed independently on SGLang's own dequantization. The difference is
     # the bf16 output's rounding (up to 2**-7 of a value where Triton's interpreter truncates) plus
     # SGLang's dequantization to bf16 (the kernels dequantize to fp32): measured 2.7e-3 to 7.9e-3.
@@ -124,10 +122,6 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     err = ((out.double() - dense).abs().max() / dense.abs().max()).item()
     print(f"\nmax |out - dense| / max |dense|, {kv} {mode.name} ({kernel}): {err:.2e}")
     assert err < 1e-2
-    # The phase reached the kernel the decision bound for it: bit for bit that kernel's answer.
-    direct = (triton_sparse_mla if kernel == TRITON else torch_sparse_mla)(
-        q, rows, slots, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=lengths)
-    assert torch.equal(out, direct)
 
 
 def test_validator_takes_the_launchers_decision(tmp_path, capability, monkeypatch):
@@ -191,8 +185,8 @@ def _spy_on_bound_kernels(seen: list) -> None:
 
     state = hooks.bound_state()
     for phase, bound in list(state.kernels.items()):
-        def fn(q, kv_cache, indices, _inner=bound.fn, **kwargs):
-            seen.append((q, kv_cache, indices, kwargs))
+        def fn(q, kv_cache, indices, _inner=bound.fn, _name=bound.name, **kwargs):
+            seen.append((_name, q, kv_cache, indices, kwargs))
             return _inner(q, kv_cache, indices, **kwargs)
 
         state.kernels[phase] = BoundKernel(bound.name, fn, bound.takes_scale_format, bound.needs_scale_format,
@@ -216,7 +210,7 @@ def test_the_call_site_hands_every_binding_64_row_pages(tmp_path, capability, mo
     seen: list = []
     _spy_on_bound_kernels(seen)
     _through_sglang(getattr(hooks, f"around_{entry}"), mode, q, cache, dim, slots, lengths, 0.1)
-    ((q_k, cache_k, indices_k, kwargs),) = seen
+    ((_, q_k, cache_k, indices_k, kwargs),) = seen
     assert cache_k.dim() == 3 and cache_k.shape[1] == layout.PAGE_SIZE and cache_k.data_ptr() == cache.data_ptr()
     api._validate(q_k, cache_k, indices_k, sm_scale=kwargs["sm_scale"], kv_layout=kwargs["kv_layout"],
                   topk_length=kwargs["topk_length"], page_size=layout.PAGE_SIZE, out=None, return_lse=False,
