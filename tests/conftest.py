@@ -2,14 +2,20 @@
 
 Without a GPU, Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must be set
 before triton is first imported (vLLM imports it too), so it is set here, before any test module.
+Whether there is a GPU is torch's answer, the same one the kernel tests take their device from
+(helpers.ON_GPU): a stray or broken ``nvidia-smi`` on PATH changes neither.
+
+Hypothesis: ``--hypothesis-profile=ci`` (what .ci/run passes) derandomizes every property test, so
+CI sees the same examples on every run; without it, each local run explores new ones.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 
-if not shutil.which("nvidia-smi") and not os.path.exists("/dev/nvidia0"):
+import torch
+
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
@@ -17,6 +23,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

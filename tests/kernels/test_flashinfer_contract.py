@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 pytest.importorskip(
     "flashinfer", reason="flashinfer-python is not installed (pip install mla-sm120-plugin[flashinfer])"
@@ -363,7 +364,7 @@ def test_module_import_is_light():
     )
     baseline = "import sys; import mla_sm120_plugin.kernels; print('torch' in sys.modules)"
     def run(source: str) -> str:
-        done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, check=True, env=clean_env())
         return done.stdout.strip()
 
     loaded = run(code)

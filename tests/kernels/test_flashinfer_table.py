@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 from mla_sm120_plugin.kernels import catalog, flashinfer_table
 from mla_sm120_plugin.kernels import flashinfer as fi_binding
@@ -124,7 +125,7 @@ def test_installed_version_reads_metadata_only():
         "t.installed_version(); t.table(); t.table_note(); "
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, env=clean_env())
     assert out.stdout.strip() == "[]"
 
 

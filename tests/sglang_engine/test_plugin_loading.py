@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+
+from helpers import clean_env
 
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
@@ -22,8 +23,7 @@ print(json.dumps({"targets": ours, "missing": hooks.missing_hooks()}))
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MLA_SM120_") and k != "SGLANG_PLUGINS"}
-    full.update(env)
+    full = clean_env(**env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=600)
 
 

@@ -54,9 +54,13 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
     caplog.set_level(logging.WARNING, logger="mla_sm120_plugin")
     assert _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mla_sm120: model=")]
-    # No GPU here: FlashInfer's probe rejects it and Triton (interpreter) serves both phases.
-    assert f"prefill={TRITON} decode={TRITON}" in line and f"sm_{cap[0]}{cap[1]}" in line
-    assert f"{FLASHINFER}/decode: no CUDA GPU" in line
+    assert f"sm_{cap[0]}{cap[1]}" in line
+    from helpers import flashinfer_refusal_here
+
+    refusal = flashinfer_refusal_here()
+    if refusal is not None:  # FlashInfer's probe runs on this machine's GPU (or lack of one)
+        assert f"prefill={TRITON} decode={TRITON}" in line
+        assert f"{FLASHINFER}/decode: " in line and refusal in line.split(f"{FLASHINFER}/decode: ")[1]
     ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
     assert (ctx.kv_cache_dtype, ctx.num_heads, ctx.kv_scale_format, ctx.device.source) == (
         "fp8_ds_mla", 64, "arbitrary", "sglang")

@@ -9,12 +9,12 @@ repository and a folder holding only pluggy (its package and metadata, linked) a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "flashinfer", "triton")
@@ -41,8 +41,8 @@ CASES = [
 
 
 def _env() -> dict[str, str]:
-    """This environment without the plugin's own variables (a stray MLA_SM120_CONFIG would decide)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MLA_SM120_")}
+    """A clean environment (a stray MLA_SM120_CONFIG would decide)."""
+    return clean_env()
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,13 @@ def test_detection_agrees_with_nvidia_smi(monkeypatch):
         expected = "amd" if shutil.which("rocm-smi") else "cpu"
         assert (dev.vendor, dev.is_planned, dev.source) == (expected, False, "detected")
         return
-    cap = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=30).stdout.splitlines()[0].strip()
-    assert (dev.vendor, dev.sm, dev.is_planned) == ("nvidia", cap, False)
+    answer = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                            text=True, timeout=30)
+    caps = answer.stdout.split() if answer.returncode == 0 else []
+    if not caps:  # an nvidia-smi that fails or sees no GPU (a driver-less container, a stub): no GPU
+        assert (dev.vendor, dev.is_planned) in (("cpu", False), ("amd", False))
+        return
+    assert (dev.vendor, dev.sm, dev.is_planned) == ("nvidia", caps[0], False)
 
 
 @pytest.mark.parametrize(

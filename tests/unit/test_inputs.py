@@ -339,11 +339,58 @@ def test_a_file_that_grows_after_the_stat_is_still_capped(tmp_path, monkeypatch)
 
 def test_missing_and_unreadable_files(tmp_path, capsys):
     _cli_refuses(capsys, _check("--model", "glm-5", "--config", str(tmp_path / "nope.toml")), "no such file")
-    if os.geteuid() != 0:  # root reads anything
-        path = tmp_path / "locked.toml"
-        path.write_text('decode_kernel = "auto"\n')
-        path.chmod(0)
-        _cli_refuses(capsys, _check("--model", "glm-5", "--config", str(path)), "ermission")
+
+
+UNPRIVILEGED_UID = 65534  # nobody
+
+
+def _locked_config() -> str:
+    """A config file nobody but root may read, in a directory anyone may enter."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="mla-sm120-locked-")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "locked.toml")
+    with open(path, "w") as fh:
+        fh.write('decode_kernel = "auto"\n')
+    os.chmod(path, 0)
+    return path
+
+
+# Run as root, the child loads everything check needs first (the checkout may be root-only), then
+# drops to an unprivileged user and checks with the locked file, which it may then not read.
+DROPPED_CHECK = """
+import os, sys
+from mla_sm120_plugin import cli
+argv = ["check", "--model", "glm-5", "--sm", "12.0"]
+if os.geteuid() == 0:
+    assert cli.main(argv) == 0
+    os.setgid(%d)
+    os.setuid(%d)
+sys.exit(cli.main(argv + ["--config", sys.argv[1]]))
+""" % (UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+
+
+def test_an_unreadable_config_is_refused_for_an_ordinary_user():
+    """As an ordinary user: a permission error with the path. The suite also runs as root (CI
+    does): then the same check runs in a child process that drops to an unprivileged user."""
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    done = subprocess.run([sys.executable, "-c", DROPPED_CHECK, _locked_config()], capture_output=True, text=True,
+                          env=clean_env(), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "ConfigError" in done.stderr and "ermission" in done.stderr and "locked.toml" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_root_reads_a_file_without_read_permission(capsys):
+    """Root is not refused by file modes: the same locked file is read and applied."""
+    if os.geteuid() != 0:
+        pytest.skip("run as root to see root read a mode-0 file (CI runs as root)")
+    assert cli.main(_check("--model", "glm-5", "--config", _locked_config())) == 0
 
 
 # --- NUL bytes and unencodable paths -----------------------------------------------------------

@@ -311,10 +311,12 @@ def test_cli_sm90_exits_2_naming_the_engines_backends():
 
 
 def test_cli_without_gpu_or_plan_exits_2(monkeypatch):
-    import shutil
+    from mla_sm120_plugin import device
 
-    if shutil.which("nvidia-smi"):
-        pytest.skip("this machine has nvidia-smi: check decides for its GPU")
+    monkeypatch.delenv("MLA_SM120_DEVICE", raising=False)
+    device._detect_hardware.cache_clear()
+    if device.detect().is_gpu:
+        pytest.skip(f"check finds a GPU here ({device.detect().describe()}) and decides for it")
     res = run_cli("check", "--model", "glm-5")
     assert res.returncode == 2 and "no GPU found on this machine" in res.stderr and "--sm 12.0" in res.stderr
     assert "servable" not in res.stdout

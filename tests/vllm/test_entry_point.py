@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from helpers import clean_env
+
 from mla_sm120_plugin.integration.vllm import BACKEND_PATH
 
 PROBE = """
@@ -27,7 +29,7 @@ REPEAT = "from mla_sm120_plugin.integration.vllm import register\nregister()  # 
 
 
 def _run(env_extra: dict[str, str], pre: str = "", post: str = REPEAT) -> tuple[dict, str]:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **env_extra)
+    env = clean_env(VLLM_LOGGING_LEVEL="WARNING", **env_extra)
     res = subprocess.run([sys.executable, "-c", PROBE.format(pre=pre, post=post)], capture_output=True, text=True,
                          env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -73,10 +75,10 @@ def test_a_faulty_third_party_hook_does_not_break_vllms_plugin_loading(demo_plug
                      " parse_device('12.0', source='--sm')))\n"
                      "except Exception as exc:\n"
                      "    print(type(exc).__name__, str(exc).splitlines()[0])\n")
-    env = {**demo_plugins_except("demo_select_raises"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(demo_plugin_path), os.environ.get("PYTHONPATH")]))}
+    env = clean_env(VLLM_LOGGING_LEVEL="WARNING", **demo_plugins_except("demo_select_raises"))
+    env["PYTHONPATH"] = os.pathsep.join([str(demo_plugin_path), env["PYTHONPATH"]])
     res = subprocess.run([sys.executable, "-c", PROBE.format(pre="", post=post)], capture_output=True, text=True,
-                         env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **env), timeout=300)
+                         env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     *before, last = res.stdout.strip().splitlines()
     assert json.loads(last) == {"overridden": True, "path": BACKEND_PATH}

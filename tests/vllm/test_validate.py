@@ -79,8 +79,11 @@ def test_decision_reads_model_heads_topk_and_scale_format(tmp_path):
     ctx = d.context
     assert (ctx.model_arch, ctx.num_heads, ctx.index_topk) == ("DeepseekV32ForCausalLM", 16, 512)
     assert d.scale_format == "pow2"
-    assert FLASHINFER in {r.kernel for r in d.rejections}  # no GPU here: its probe says so
-    assert "no CUDA GPU" in " ".join(r for rej in d.rejections if rej.kernel == FLASHINFER for r in rej.reasons)
+    from helpers import flashinfer_refusal_here
+
+    refusal = flashinfer_refusal_here()  # the probe runs for a device vLLM reports: this machine's
+    if refusal is not None:
+        assert refusal in " ".join(r for rej in d.rejections if rej.kernel == FLASHINFER for r in rej.reasons)
 
 
 def test_additional_config_override_changes_the_decision(tmp_path):
