@@ -95,7 +95,8 @@ def _check(args: argparse.Namespace) -> int:
 
     reg = get_registry()
     facts = resolve_model(args.model, registry=reg)
-    flags = {k: v for k, v in (("prefill_kernel", args.prefill_kernel), ("decode_kernel", args.decode_kernel)) if v}
+    flags = {k: v for k, v in (("prefill_kernel", args.prefill_kernel), ("decode_kernel", args.decode_kernel),
+                               ("precision", args.precision)) if v}
     cfg = plugin_config(flags or None, kernel_names=reg.kernels, config_file=args.config,
                         inline_label="command-line flags")
     limits = EngineLimits(
@@ -318,6 +319,12 @@ def _bench(args: argparse.Namespace) -> int:
         raise KernelInputError(format_error(f"--device {args.device!r}", "cuda or cuda:N (the benchmark times GPU "
                                             "kernels)", "pass --device cuda, or use --compile-only --arch 120 on a "
                                             "machine without a GPU"))
+    if args.traffic:
+        from .kernels import triton_plan
+
+        _emit("\n\n".join([triton_plan.format_report(args.traffic),
+                            *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS)]))
+        return EXIT_OK
     if args.compile_only:
         from .kernels import compile_gate
 
@@ -329,11 +336,14 @@ def _bench(args: argparse.Namespace) -> int:
                      f"(limit {result['shared_limit_bytes']} B)"]
             for v in result["variants"]:
                 state = (f"{v['registers']:>3} regs  spill {v['spill_bytes']:>4} B  shared {v['shared_bytes']:>6} B"
+                         f"  {v['ctas_per_sm']} CTA/SM  {','.join(v['mma'])}"
                          if v["compiled"] else f"FAILED: {v['error']}")
                 lines.append(f"  {v['variant']:<90} {state}")
+            lines.extend(f"GATE FAILS: {failure}" for failure in result["gate_failures"])
             _emit("\n".join(lines))
-        ok = result["all_compiled"] and result["max_spill_bytes"] == 0 and (
-            result["max_shared_bytes"] <= result["shared_limit_bytes"])
+        # The gate's own verdict: compiled, no spills, shared memory within a block, and every fast
+        # variant on SM12x with fp8 MMAs and two CTAs an SM.
+        ok = result["gate_passed"]
     else:
         from .kernels import bench
 
@@ -385,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default), bfloat16, or auto (SGLang's fp8 on SM >= 10)")
     check.add_argument("--prefill-kernel", help="force a prefill kernel (auto or a kernel name)")
     check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
+    check.add_argument("--precision", choices=("fast", "exact"),
+                       help="fast (default): kernels with fp8 q/p MMAs may serve; exact: only bf16/fp32 operands")
     check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
     check.add_argument("--max-decode-tokens", type=_positive_int,
                        help="most tokens a decode call sees (vLLM: max_num_seqs x (1 + speculative tokens)); "
@@ -411,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="timings: cuda or cuda:N (default cuda)")
     bench.add_argument("--plot", help="timings: also draw GB/s and TFLOP/s against the ceilings (matplotlib)")
     bench.add_argument("--output", help="also write the JSON here")
+    bench.add_argument("--traffic", nargs="?", const="sm120", choices=("sm120", "sm121", "sm90"),
+                       help="print the bytes each launch plan moves against the minimum, and the split table the "
+                            "Triton kernels use (no GPU, no torch)")
     bench.set_defaults(func=_bench)
     return parser
 

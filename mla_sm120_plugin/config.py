@@ -5,6 +5,7 @@ Schema (the same keys at top level and in every section)::
     prefill_kernel  = "auto" | <kernel name>
     decode_kernel   = "auto" | <kernel name>
     kv_scale_format = "auto" | "pow2" | "arbitrary"
+    precision       = "fast" | "exact"   # exact: no kernel that rounds q or p to fp8
 
     [models."zai-org/GLM-5-FP8"]      # exact served model name (or path) ...
     decode_kernel = "triton_sparse_mla"
@@ -30,13 +31,13 @@ from typing import Any, Iterable, Mapping
 from . import files
 from .errors import ConfigError, format_error
 from .kernels.layout import SCALE_FORMATS
-from .types import AUTO, ENGINE_NATIVE_IMPLS
+from .types import AUTO, ENGINE_NATIVE_IMPLS, FAST, PRECISIONS
 
 CONFIG_ENV = "MLA_SM120_CONFIG"
 ADDITIONAL_CONFIG_KEY = "mla_sm120"  # the key under vLLM's --additional-config
 
 KERNEL_KEYS = ("prefill_kernel", "decode_kernel")
-SETTING_KEYS = KERNEL_KEYS + ("kv_scale_format",)
+SETTING_KEYS = KERNEL_KEYS + ("kv_scale_format", "precision")
 SECTION_KEYS = ("models", "architectures")
 INLINE_ONLY_KEYS = ("config_file",)
 
@@ -48,6 +49,7 @@ class Settings:
     prefill_kernel: str = AUTO
     decode_kernel: str = AUTO
     kv_scale_format: str = AUTO
+    precision: str = FAST
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def origin(self, key: str) -> str:
@@ -137,6 +139,8 @@ def _check_section(
             raise _err(where, f"{key}={value!r} is not a known kernel", f"one of {kernel_choices}", "correct the name")
         if key == "kv_scale_format" and value not in (AUTO, *SCALE_FORMATS):
             raise _err(where, f"{key}={value!r}", f"one of {[AUTO, *SCALE_FORMATS]}", "correct the value")
+        if key == "precision" and value not in PRECISIONS:
+            raise _err(where, f"{key}={value!r}", f"one of {list(PRECISIONS)}", "correct the value")
         out[key] = value
     return out
 

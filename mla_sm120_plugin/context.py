@@ -95,6 +95,7 @@ def build_context(
         engine=limits.engine,
         kv_lora_rank=facts.kv_lora_rank,
         qk_rope_head_dim=facts.qk_rope_head_dim,
+        precision=settings.precision,
         num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
         index_topk=facts.index_topk,
         device=device,

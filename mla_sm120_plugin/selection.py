@@ -20,6 +20,7 @@ from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
 from .types import (
     AUTO,
     DECODE,
+    EXACT,
     ENGINE_NATIVE_IMPLS,
     PHASES,
     PREFILL,
@@ -80,6 +81,9 @@ def envelope_reasons(
     max_tokens = ctx.max_tokens_for(phase)
     if spec.max_tokens is not None and max_tokens is not None and max_tokens > spec.max_tokens:
         reasons.append(f"{phase} may see {max_tokens} tokens a call, kernel takes <= {spec.max_tokens}")
+    if ctx.precision == EXACT and spec.precision != EXACT:
+        reasons.append(f"computes with fp8 q and probabilities (precision {spec.precision}); the config asks "
+                       f"precision={EXACT}")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
         reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
                        f"({ENGINES[ctx.engine].eager_flag} allows it)")
@@ -262,6 +266,8 @@ def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
         fixes.append("install what a probe above reports missing")
     if any(r.startswith("not CUDA-graph safe") for r in reasons):
         fixes.append(f"run with {engine.eager_flag}, or install a graph-safe kernel")
+    if any(r.startswith("computes with fp8 q") for r in reasons):
+        fixes.append('set precision = "fast" in the plugin config (fp8 q/p kernels, within their stated tolerance)')
     if not fixes:
         fixes.append("change the combination to one a kernel above supports (each rejection says what it needs)")
     return "; ".join(fixes)
@@ -320,6 +326,7 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
         "device": {"sm": ctx.device.sm, "vendor": ctx.device.vendor, "name": ctx.device.name, "source": ctx.device.source},
         "kv_cache_dtype": ctx.kv_cache_dtype,
         "scale_format": decision.scale_format,
+        "precision": ctx.precision,
         "tensor_parallel_size": ctx.tensor_parallel_size,
         "heads_per_rank": ctx.num_heads,
         "index_topk": ctx.index_topk,
@@ -342,6 +349,8 @@ def explain(decision: Decision) -> str:
         f"model      {ctx.model_name or decision.profile.name} ({ctx.model_arch}, profile {decision.profile.name})",
         f"device     {ctx.device.describe()} [{ctx.device.source}]",
         f"kv cache   {ctx.kv_cache_dtype} (scales: {decision.scale_format})",
+        f"precision  {ctx.precision} ("
+        + ("fp8 q/p kernels allowed" if ctx.precision != EXACT else "bf16/fp32 operands only") + ")",
         f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
         f"index_topk {ctx.index_topk}",
         f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "

@@ -22,6 +22,13 @@ DECODE = "decode"
 PHASES = (PREFILL, DECODE)
 AUTO = "auto"
 
+# How a kernel computes: "exact" multiplies bf16 (or fp32) operands, as the torch reference does up
+# to rounding; "fast" quantizes q and the probabilities to fp8 e4m3 for fp8 MMAs (FlashInfer's SM120
+# kernels, triton_sparse_mla_fast). The plugin config's ``precision`` sets the least a model accepts.
+EXACT = "exact"
+FAST = "fast"
+PRECISIONS = (FAST, EXACT)
+
 # Impl names other engines use (SGLang's --attention-backend choices, vLLM's backend names).
 # A stale per-model config often carries one over; naming one is not a typo, so it gets the
 # "cannot run here, these can" error rather than "unknown name".
@@ -216,6 +223,8 @@ class KernelSpec:
     :param envelope_note: where ``envelope``'s facts come from when they are not the installed
         package's (a table shipped with the plugin for a package missing here); the decision
         carries it as a note, so a core-only install says which facts it used.
+    :param precision: ``"exact"`` (bf16/fp32 operands) or ``"fast"`` (fp8 q and probabilities); a
+        context asking ``precision="exact"`` rejects fast kernels.
     :param tolerance: the largest difference from the torch reference the kernel promises, as a
         fraction of the reference output's largest magnitude; the self-check at engine init
         (:mod:`mla_sm120_plugin.kernels.selfcheck`) holds it to this.
@@ -238,6 +247,7 @@ class KernelSpec:
     description: str = ""
     tolerance: float = 1e-2
     envelope_note: Callable[[], "str | None"] | None = field(default=None, compare=False)
+    precision: str = EXACT
 
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
@@ -271,6 +281,9 @@ class KernelSpec:
         for attr in ("probe", "envelope", "envelope_note"):
             if getattr(self, attr) is not None and not callable(getattr(self, attr)):
                 raise PluginError(format_error(f"{owner}.{attr}={getattr(self, attr)!r}", "a callable or None", "fix it"))
+        if self.precision not in PRECISIONS:
+            raise PluginError(format_error(f"{owner}.precision={self.precision!r}", f"one of {list(PRECISIONS)}",
+                                           "say 'fast' for a kernel that rounds q or p to fp8, else 'exact'"))
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise PluginError(format_error(f"{owner}.tolerance={tol!r}", "a float in (0, 1): a fraction of the "
@@ -303,6 +316,8 @@ class SelectionContext:
         engine (``kv_cache_dtype`` is the layout it means); None when the engine default applied.
     :param kv_lora_rank: the model's latent width (its config's ``kv_lora_rank``).
     :param qk_rope_head_dim: the model's RoPE width (its config's ``qk_rope_head_dim``).
+    :param precision: ``"fast"`` (every kernel may serve, fp8 MMAs included) or ``"exact"`` (only
+        kernels that keep bf16/fp32 operands).
     """
 
     model_arch: str
@@ -324,6 +339,7 @@ class SelectionContext:
     kv_cache_dtype_given: str | None = None
     kv_lora_rank: int = KV_LORA_RANK
     qk_rope_head_dim: int = ROPE_DIM
+    precision: str = FAST
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
@@ -405,5 +421,5 @@ class Decision:
             f"mla_sm120: model={ctx.model_name or ctx.model_arch} ({ctx.model_arch}) "
             f"device={ctx.device.describe()} kv_cache_dtype={ctx.kv_cache_dtype} "
             f"scale_format={self.scale_format} heads_per_rank={ctx.num_heads} index_topk={ctx.index_topk} "
-            f"prefill={self.prefill} decode={self.decode}; rejected: {rejected}"
+            f"precision={ctx.precision} prefill={self.prefill} decode={self.decode}; rejected: {rejected}"
         )

@@ -63,17 +63,18 @@ from mla_sm120_plugin.kernels import triton_plan as plan
 from mla_sm120_plugin.kernels.triton import _dot, _finalize, _row_offset, _slot_ids
 
 # Kernel vs the torch reference: the largest error, as a fraction of the largest |reference| value
-# (how tests/helpers.assert_kernel_close reads it). q and p are rounded to e4m3, 3 fraction bits:
-# up to 2**-4 relative on each factor. A score error of a few hundredths moves the softmax weights
-# by as many percent, and the worst single output element of the adversarial test cases (peaked
-# softmax, tiles of 0.5x-4x gain, 1-2048 candidates) is off by up to 6.8 % of the output's largest
-# value (lse: 3.3 %), measured under the interpreter, which runs these numerics exactly; a torch
-# emulation of the same scheme in exact arithmetic shows the same 6.3-6.5 %, so this is the
-# format's error, not the kernel's. 8e-2 covers that plus a GPU's approximate exp2 and summation
-# order, and stays an order of magnitude below what a wrong per-tile scale costs (~100 %).
+# (how tests/helpers.assert_kernel_close and the self-check read it). q and p are rounded to e4m3,
+# 3 fraction bits: up to 2**-4 relative on each factor. q's rounding moves each score by ~2 % of its
+# spread, which exp() turns into a few percent of a probability; p's rounding adds up to 6.25 % of
+# the largest one. Measured under the interpreter, which runs these numerics exactly: up to 6.8 % on
+# the kernel tests' adversarial cases and up to 13.3 % on the engine self-check's own cases (one head,
+# top-k 37, tiles of 0.5x-4x gain: a few candidates dominate); a torch emulation of the scheme shows
+# the same, so it is the format's error, not the kernel's. FlashInfer's SM120 kernels round q and p
+# the same way. 0.15 covers that plus a GPU's approximate exp2 and summation order, and stays well
+# below what a wrong per-tile scale costs (~100 %).
 # test_triton_fast.py also pins the numerics themselves: under the interpreter the kernel equals a
 # torch emulation of its rounding to 1e-5.
-TOLERANCE = 8e-2
+TOLERANCE = 0.15
 
 _NOPE: tl.constexpr = tl.constexpr(layout.KV_LORA_RANK)
 _TILE: tl.constexpr = tl.constexpr(layout.FP8_TILE)

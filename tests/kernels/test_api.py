@@ -80,12 +80,14 @@ def test_bad_input_names_the_argument(good, what):
     assert_three_parts(str(err.value), f"{argument}=")
 
 
-def test_unknown_kernel_lists_the_three_names(good):
+def test_unknown_kernel_lists_every_registered_name(good):
+    from mla_sm120_plugin.hooks.manager import get_registry
+
     with pytest.raises(KernelInputError) as err:
         _call({**good, "kernel": "nope"})
-    for name in KERNEL_NAMES:
+    for name in get_registry().kernels:
         assert name in str(err.value)
-    assert len(KERNEL_NAMES) == 3
+    assert set(KERNEL_NAMES) <= set(get_registry().kernels)
 
 
 def test_flashinfer_needs_a_scale_format(good):
@@ -126,22 +128,27 @@ def test_integer_sm_scale_is_accepted(good):
 def test_auto_asks_the_selection_and_agrees_with_the_reference(good, monkeypatch):
     import os
 
-    from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+    from helpers import KERNEL_REL_TOL
+
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.kernels.catalog import TORCH, TRITON, TRITON_FAST
     from mla_sm120_plugin.selection import choose_kernel_for_shape, clear_probe_cache
 
     # CPU tensors: FlashInfer (NVIDIA only) is never a candidate; Triton runs here only under its
-    # interpreter, else the reference is all that is left.
+    # interpreter (the fp8-MMA kernel first for an fp8 cache), else the reference is all that is left.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     chosen = choose_kernel_for_shape(kv_layout=good["kv_layout"], num_heads=H, topk=TOPK,
                                      num_tokens=T, device_type="cpu")
-    assert chosen == (TRITON if interpreted else TORCH)
+    triton = TRITON_FAST if good["kv_layout"] == layout.FP8_DS_MLA else TRITON
+    assert chosen == (triton if interpreted else TORCH)
     args = {**good, "q": good["q"].float(), "kernel": "auto"}
     out = _call(args)
     # "auto" ran the kernel the selection named: bit for bit what naming it explicitly gives.
     assert torch.equal(out, _call({**args, "kernel": chosen}))
     ref = torch_sparse_mla(args["q"], good["kv_cache"], good["indices"], sm_scale=good["sm_scale"],
                            kv_layout=good["kv_layout"])
-    assert_kernel_close(out, ref)
+    spec = get_registry().kernels[chosen]
+    assert_kernel_close(out, ref, KERNEL_REL_TOL if spec.precision == "exact" else spec.tolerance)
     if interpreted:
         # Without the interpreter the Triton probe fails on this CPU: the same call picks the reference.
         monkeypatch.delenv("TRITON_INTERPRET")

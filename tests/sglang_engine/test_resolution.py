@@ -14,7 +14,7 @@ from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
 
@@ -59,7 +59,7 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
 
     refusal = flashinfer_refusal_here()
     if refusal is not None:  # FlashInfer's probe runs on this machine's GPU (or lack of one)
-        assert f"prefill={TRITON} decode={TRITON}" in line
+        assert f"prefill={TRITON_FAST} decode={TRITON_FAST}" in line
         assert f"{FLASHINFER}/decode: " in line and refusal in line.split(f"{FLASHINFER}/decode: ")[1]
     ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
     assert (ctx.kv_cache_dtype, ctx.num_heads, ctx.kv_scale_format, ctx.device.source) == (

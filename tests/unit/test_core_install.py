@@ -28,12 +28,15 @@ GLM_TOPK_1024 = {
 
 # (id, check arguments after --model, expected kernels: the same in both installs)
 CASES = [
-    ("glm5-sm121-tp16", ["glm-5", "--sm", "12.1", "--tp", "16"], {"prefill": "triton_sparse_mla", "decode": "triton_sparse_mla"}),
+    ("glm5-sm121-tp16", ["glm-5", "--sm", "12.1", "--tp", "16"],
+     {"prefill": "triton_sparse_mla_fast", "decode": "triton_sparse_mla_fast"}),
     (
         "glm5-sm121-tp16-decode64",
         ["glm-5", "--sm", "12.1", "--tp", "16", "--max-decode-tokens", "64"],
-        {"prefill": "triton_sparse_mla", "decode": "flashinfer_sparse_mla"},
+        {"prefill": "triton_sparse_mla_fast", "decode": "flashinfer_sparse_mla"},
     ),
+    ("glm5-sm121-tp16-exact", ["glm-5", "--sm", "12.1", "--tp", "16", "--precision", "exact"],
+     {"prefill": "triton_sparse_mla", "decode": "triton_sparse_mla"}),
     ("glm5-sm120-tp32", ["glm-5", "--sm", "12.0", "--tp", "32"], None),
     ("dsv32-sm120-tp32", ["deepseek-v3.2", "--sm", "12.0", "--tp", "32"], None),
     ("glm-dir-topk1024-tp16", ["{model_dir}", "--sm", "12.0", "--tp", "16"], None),

@@ -24,7 +24,7 @@ from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_co
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.kernels import api, flashinfer, layout, pack, selfcheck
 from mla_sm120_plugin.kernels.binding import BoundKernel
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.types import DECODE, PREFILL
 
 HEADS, TOPK = 5, 100
@@ -46,7 +46,7 @@ def test_impl_self_checks_inside_vllms_construction_context(tmp_path, tp1):
     (line,) = [m for m in messages if m.startswith("mla_sm120: self-check:")]
     for phase in (DECODE, PREFILL):
         assert f"{phase}={impl._kernels[phase].name} ok (max error" in line, line
-    assert impl._kernels[DECODE].name == (TRITON if not ON_GPU else impl.decision.decode)
+    assert impl._kernels[DECODE].name == (TRITON_FAST if not ON_GPU else impl.decision.decode)
     assert torch.get_default_dtype() == torch.float32  # the check restored what it changed
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_vllm_config, selector_kwargs, write_model
+from model_configs import write_model
+from vllm_engine import make_vllm_config, selector_kwargs
 from vllm.config import set_current_vllm_config
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
 def _validate(vc, kv="fp8_ds_mla", cap=(12, 0)):
@@ -113,7 +114,7 @@ def test_config_file_override_matches_the_model_name(tmp_path, monkeypatch):
     assert d.prefill == d.decode == TORCH
     # The section for one model does not leak into the next.
     d2 = decide(make_vllm_config(other, enforce_eager=True), "fp8_ds_mla", 12, 0)
-    assert d2.decode == TRITON
+    assert d2.decode == TRITON_FAST
     # Named inline through config_file, a file with a bad key fails naming file and key.
     bad = tmp_path / "bad.toml"
     bad.write_text('decode_kernal = "auto"\n')
@@ -210,3 +211,12 @@ def test_the_models_own_geometry_is_checked_before_weights_load(tmp_path, change
     assert res.returncode == 2 and needle in res.stderr
     assert _lines_after_combination(res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")) == \
         _lines_after_combination(str(err.value))
+
+
+def test_the_decision_line_names_the_precision_and_the_config_switches_it(tmp_path):
+    model = write_model(tmp_path, "glm")
+    fast = decide(make_vllm_config(model, tp=16), "fp8_ds_mla", 12, 0)
+    exact = decide(make_vllm_config(model, tp=16, additional_config={"mla_sm120": {"precision": "exact"}}),
+                   "fp8_ds_mla", 12, 0)
+    assert "precision=fast" in fast.log_line() and "precision=exact" in exact.log_line()
+    assert FLASHINFER not in exact.kernels.values() and "triton_sparse_mla_fast" not in exact.kernels.values()
