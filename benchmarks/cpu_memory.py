@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import resource
 import statistics
@@ -130,30 +131,65 @@ def _proc_status_bytes(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
-def _peak_rss_rise(fn: Callable[[], Any]) -> tuple[int, str]:
-    """How far one call of ``fn`` raises the resident-memory high-water mark, and how it was read.
+RSS_METHODS = ("vmhwm", "sampled", "ru_maxrss")
 
-    Linux: reset the high-water mark to the current RSS (``/proc/self/clear_refs`` = 5), run, read
-    ``VmHWM`` minus the RSS before. Elsewhere ``ru_maxrss``, which a child inherits from its parent
-    at fork on Linux, hence not the first choice.
-    """
+
+def _sampled_peak(fn: Callable[[], Any], period_s: float = 2e-4) -> int:
+    """The largest ``VmRSS`` a thread sees, reading it every ``period_s`` while ``fn`` runs (and once
+    after), minus the RSS before: for a kernel whose temporaries live for milliseconds or more."""
+    import threading
+
+    before = _proc_status_bytes("VmRSS")
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _proc_status_bytes("VmRSS"))
+            done.wait(period_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _proc_status_bytes("VmRSS")
         fn()
-        return _proc_status_bytes("VmHWM") - before, "VmHWM after clear_refs"
-    except OSError:
-        scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        fn()
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * scale, "ru_maxrss"
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], _proc_status_bytes("VmRSS")) - before
 
 
-def _peak_in_subprocess(bound: int | None, shape: dict[str, int]) -> int | None:
+def _peak_rss_rise(fn: Callable[[], Any], method: str | None = None) -> tuple[int, str]:
+    """How far one call of ``fn`` raises resident memory above the RSS before it, and how it was read.
+
+    ``vmhwm`` (Linux, the default where it works): reset the high-water mark to the current RSS
+    (``/proc/self/clear_refs`` = 5), run, read ``VmHWM``. ``sampled`` (Linux, where clear_refs is not
+    writable, as in some containers): a thread's readings of ``VmRSS`` during the call. ``ru_maxrss``
+    (elsewhere): the process's lifetime peak, which a fresh interpreter's imports may already have
+    set above anything the call adds, so a rise of 0 there means "not measurable", not "no memory".
+    """
+    if method in (None, "vmhwm"):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            if method == "vmhwm":
+                raise
+        else:
+            before = _proc_status_bytes("VmRSS")
+            fn()
+            return _proc_status_bytes("VmHWM") - before, "vmhwm"
+    if method in (None, "sampled") and os.path.exists("/proc/self/status"):
+        return _sampled_peak(fn), "sampled"
+    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * scale, "ru_maxrss"
+
+
+def _peak_in_subprocess(bound: int | None, shape: dict[str, int], method: str | None = None) -> int | None:
     code = (
         f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import cpu_memory; "
-        f"print(json.dumps(cpu_memory._rss_rise({bound!r}, {shape!r})))"
+        f"print(json.dumps(cpu_memory._rss_rise({bound!r}, {shape!r}, {method!r})))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -161,12 +197,12 @@ def _peak_in_subprocess(bound: int | None, shape: dict[str, int]) -> int | None:
     return int(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _rss_rise(bound: int | None, shape: dict[str, int]) -> int:
+def _rss_rise(bound: int | None, shape: dict[str, int], method: str | None = None) -> int:
     inputs = make_inputs(**shape)
-    return _peak_rss_rise(lambda: _call(bound, inputs))[0]
+    return _peak_rss_rise(lambda: _call(bound, inputs), method)[0]
 
 
-def _cpu_results(quick: bool, kinds: dict[str, int | None]) -> list[dict[str, Any]]:
+def _cpu_results(quick: bool, kinds: dict[str, int | None], rss_method: str | None = None) -> list[dict[str, Any]]:
     rows = []
     for shape in CPU_SHAPES_QUICK if quick else CPU_SHAPES:
         inputs = make_inputs(**shape)
@@ -181,7 +217,7 @@ def _cpu_results(quick: bool, kinds: dict[str, int | None]) -> list[dict[str, An
                 max_chunk_bytes=bound,
                 seconds=seconds,
                 peak_live_tensor_bytes=mode.peak,
-                peak_rss_rise_bytes=_peak_in_subprocess(bound, shape),
+                peak_rss_rise_bytes=_peak_in_subprocess(bound, shape, rss_method),
             )
         base = row["naive_full_gather"]
         for kind in kinds:
@@ -194,11 +230,13 @@ def _cpu_results(quick: bool, kinds: dict[str, int | None]) -> list[dict[str, An
     return rows
 
 
-def run_cpu_benchmarks(quick: bool = False, kinds: dict[str, int | None] | None = None) -> dict[str, Any]:
+def run_cpu_benchmarks(quick: bool = False, kinds: dict[str, int | None] | None = None,
+                       rss_method: str | None = None) -> dict[str, Any]:
     """The CPU report: environment, what each number measures, one row per shape (JSON-serializable).
 
     kinds: which callables to measure (name -> the reference's max_chunk_bytes, None for the naive
-    gather); default :data:`CPU_KINDS`.
+    gather); default :data:`CPU_KINDS`. rss_method: one of :data:`RSS_METHODS`, or None for the best
+    this machine allows (:func:`_peak_rss_rise`).
     """
     return dict(
         device="cpu",
@@ -209,8 +247,9 @@ def run_cpu_benchmarks(quick: bool = False, kinds: dict[str, int | None] | None 
         measures=dict(
             seconds="median wall time of one call (after one warm-up call)",
             peak_live_tensor_bytes="max total bytes of op-created tensors alive at once, inputs excluded",
-            peak_rss_rise_bytes="rise of the RSS high-water mark (VmHWM, reset before the call) in a fresh subprocess",
+            peak_rss_rise_bytes="rise of resident memory during one call, in a fresh subprocess ("
+                                "VmHWM reset before the call, else sampled VmRSS, else ru_maxrss)",
             naive_full_gather="all T x topk keys gathered and dequantized to fp32 at once",
         ),
-        cpu=_cpu_results(quick, kinds or CPU_KINDS),
+        cpu=_cpu_results(quick, kinds or CPU_KINDS, rss_method),
     )

@@ -252,8 +252,17 @@ def _table_entry(row: dict[str, Any], kernel: str) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
+    """Write :func:`figure` of ``report`` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(report: dict[str, Any]) -> Any:
     """Per shape: GB/s and TFLOP/s of each kernel's table config against the measured ceilings, and
-    the CUDA-graph time of every candidate config."""
+    the CUDA-graph time of every candidate config (a matplotlib figure of three axes)."""
     try:
         import matplotlib
 
@@ -290,5 +299,4 @@ def plot(report: dict[str, Any], path: str) -> None:
     for ax in axes:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
