@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traffic", nargs="?", const="sm120", default=None, metavar="FAMILY",
                         help="print the traffic model and configuration table (sm120, sm121 or sm90) and exit")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--kv-layout", default="fp8_ds_mla",
+                        help="GPU: the cache layout to time (fp8_ds_mla; GLM-5.3-Flash's fp8_ds_mla_nope / fp8_nope; "
+                             "bf16; bf16_nope)")
     parser.add_argument("--plot", default=None, help="GPU only: also draw the results to this PNG")
     parser.add_argument("--output", default=None, help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from mla_sm120_plugin.kernels.bench import plot, run_gpu_benchmarks
 
     progress = (lambda partial: _write(partial, args.output)) if args.output else None
-    report = run_gpu_benchmarks(device=device, quick=args.quick, compile_report=not args.sweep, progress=progress)
+    report = run_gpu_benchmarks(device=device, quick=args.quick, compile_report=not args.sweep, progress=progress,
+                                kv_layout=args.kv_layout)
     _write(report, args.output)
     if args.plot:
         plot(report, args.plot)

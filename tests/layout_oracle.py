@@ -1,12 +1,18 @@
 """An independent reader of the cache bytes, and attention in float64: the tests' ground truth.
 
-Written from FACTS.md §3 and §4 alone, with Python's ``struct`` and integer arithmetic: no torch fp8
-dtype, no ``view(torch.float32)``, nothing of ``mla_sm120_plugin.kernels.pack`` or ``reference``.
-A kernel, the packer or the torch reference that reads a byte wrong disagrees with it.
+Written from FACTS.md §3, §4 and §13 alone, with Python's ``struct`` and integer arithmetic: no torch
+fp8 dtype, no ``view(torch.float32)``, nothing of ``mla_sm120_plugin.kernels`` (not even
+``layout``'s numbers). A kernel, the packer or the torch reference that reads a byte wrong
+disagrees with it.
 
 fp8_ds_mla, 656 bytes a token: [0, 512) the latent as float8 e4m3fn in four 128-wide tiles;
 [512, 528) four little-endian float32 scales, value = fp8 * scale of its tile; [528, 656) the
 64-wide rope as little-endian bfloat16. bf16: 576 bfloat16 values.
+
+The rope-less rows of GLM-5.3-Flash (qk_rope_head_dim 0; a token is its 512 latent values):
+fp8_ds_mla_nope, 656 bytes (vLLM): [0, 512) fp8 latent, [512, 528) four float32 scales, [528, 656)
+reserved, written as zeros and never a value; fp8_nope, 528 bytes (SGLang): the same first 528
+bytes, rows back to back; bf16_nope: 512 bfloat16 values.
 """
 
 from __future__ import annotations
@@ -19,6 +25,16 @@ import torch
 LATENT, ROPE, TILE = 512, 64, 128
 ROW_BYTES = 656
 SCALES_AT, ROPE_AT = 512, 528
+RESERVED_AT = 528  # fp8_ds_mla_nope: [528, 656) reserved
+
+# name: (bytes a row, rope width, fp8 latent)
+ROWS = {
+    "fp8_ds_mla": (656, ROPE, True),
+    "fp8_ds_mla_nope": (656, 0, True),
+    "fp8_nope": (528, 0, True),
+    "bf16": (2 * (LATENT + ROPE), ROPE, False),
+    "bf16_nope": (2 * LATENT, 0, False),
+}
 
 
 def e4m3fn(byte: int) -> float:
@@ -49,31 +65,42 @@ def nearest_e4m3(x: float) -> float:
 
 
 def decode_row(row: bytes, layout: str) -> list[float]:
-    """One cached token as its 576 values."""
-    if layout == "fp8_ds_mla":
-        assert len(row) == ROW_BYTES
-        scales = struct.unpack("<4f", row[SCALES_AT:ROPE_AT])
+    """One cached token as its values: 512 latent, then the rope where the layout has one (576)."""
+    width, rope, fp8 = ROWS[layout]
+    assert len(row) == width, (layout, len(row))
+    if fp8:
+        scales = struct.unpack("<4f", row[SCALES_AT:SCALES_AT + 16])
         latent = [E4M3FN[row[i]] * scales[i // TILE] for i in range(LATENT)]
-        rope = [bf16(b) for b in struct.unpack(f"<{ROPE}H", row[ROPE_AT:ROW_BYTES])]
-        return latent + rope
-    assert len(row) == 2 * (LATENT + ROPE)
-    return [bf16(b) for b in struct.unpack(f"<{LATENT + ROPE}H", row)]
+        rope_at = SCALES_AT + 16
+        return latent + [bf16(b) for b in struct.unpack(f"<{rope}H", row[rope_at:rope_at + 2 * rope])]
+    return [bf16(b) for b in struct.unpack(f"<{LATENT + rope}H", row)]
+
+
+def raw_rows(kv_cache: torch.Tensor) -> list[bytes]:
+    """Every slot's row of a paged (any page stride) or flat cache, as its bytes."""
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).cpu()  # a copy for page-strided views
+    raw = rows.contiguous().view(torch.uint8).numpy().tobytes()
+    width = len(raw) // max(rows.shape[0], 1)
+    return [raw[i * width:(i + 1) * width] for i in range(rows.shape[0])]
+
+
+def reserved_bytes(row: bytes, layout: str) -> bytes:
+    """The bytes of a row that carry no value (fp8_ds_mla_nope's [528, 656); empty otherwise)."""
+    return row[RESERVED_AT:] if layout == "fp8_ds_mla_nope" else b""
 
 
 def decode_cache(kv_cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """Every slot of a paged (any page stride) or flat cache, decoded: [num_slots, 576] float64."""
-    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).cpu()  # a copy for page-strided views
-    raw = rows.contiguous().view(torch.uint8).numpy().tobytes()
-    width = ROW_BYTES if layout == "fp8_ds_mla" else 2 * (LATENT + ROPE)
-    values = [decode_row(raw[i * width:(i + 1) * width], layout) for i in range(rows.shape[0])]
-    return torch.tensor(values, dtype=torch.float64)
+    """Every slot of a paged (any page stride) or flat cache, decoded: [num_slots, 576] float64
+    (512 for a rope-less layout)."""
+    return torch.tensor([decode_row(row, layout) for row in raw_rows(kv_cache)], dtype=torch.float64)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_scale: float,
               topk_length: torch.Tensor | None = None, sink: torch.Tensor | None = None):
     """FACTS §4 in float64, token by token and head by head over each token's valid candidates.
 
-    keys: [num_slots, 576] float64 (:func:`decode_cache`). Returns out [T, H, 512] and the natural-log
+    keys: [num_slots, D] float64 (:func:`decode_cache`; D = 576, or 512 rope-less), q: [T, H, D].
+    Returns out [T, H, 512] and the natural-log
     lse [T, H] (-inf and out 0 for a token with no valid candidate); duplicates count twice; a sink
     scales out by 1 / (1 + exp(sink - lse)) and leaves lse alone.
     """
@@ -86,7 +113,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_sca
         ids = [int(i) for i in indices[t, :limit] if 0 <= int(i) < num_slots]
         if not ids:
             continue
-        k = keys[ids]  # [n, 576]
+        k = keys[ids]  # [n, D]
         s = sm_scale * (q[t].double() @ k.T)  # [H, n]
         lse[t] = torch.logsumexp(s, dim=-1)
         out[t] = torch.softmax(s, dim=-1) @ k[:, :LATENT]

@@ -14,15 +14,12 @@ import numbers
 import torch
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels import layout, pack
 from mla_sm120_plugin.kernels.binding import bind
 
 
 LSE_BASES = ("e", "2")
 MAX_HEADS = 128
-
-_CACHE_DTYPES = {layout.FP8_DS_MLA: torch.uint8, layout.BF16: torch.bfloat16}
-_CACHE_WIDTHS = {layout.FP8_DS_MLA: layout.FP8_DS_MLA_TOKEN_BYTES, layout.BF16: layout.BF16_TOKEN_ELEMS}
 
 
 def _fail(argument: str, given: str, supported: str, fix: str) -> KernelInputError:
@@ -55,6 +52,35 @@ def _check_optional(name: str, x: object, q: torch.Tensor, dtype: torch.dtype, s
     _check_same_device(name, x, q)
 
 
+def _q_width(lay: layout.CacheLayout) -> str:
+    if lay.rope:
+        return f"{lay.head_dim} ({lay.latent} latent + {lay.rope} rope)"
+    return f"{lay.head_dim} ({lay.latent} latent; kv_layout={lay.name!r} has no rope)"
+
+
+def _q_fix(q: torch.Tensor, lay: layout.CacheLayout) -> str:
+    """What to do about a q whose last dim is not ``lay.head_dim``: the layouts it would fit name
+    the likely mix-up (a rope-less model's q against a rope layout, or the reverse)."""
+    fits = [name for name, other in layout.LAYOUTS.items() if q.dim() == 3 and other.head_dim == q.shape[-1]]
+    if lay.rope:
+        want = f"pass q packed as [tokens, heads, {lay.latent} latent + {lay.rope} rope]"
+    else:
+        want = f"pass q as [tokens, heads, {lay.latent}] (the latent part only: a rope-less model's q_pe is empty)"
+    return want + (f", or pass the kv_layout the cache was written in ({' / '.join(fits)} take a "
+                   f"{q.shape[-1]}-wide q)" if fits else "")
+
+
+def _cache_fix(kv_cache: torch.Tensor, lay: layout.CacheLayout) -> str:
+    """The fix for a cache whose last dim or dtype is not ``lay``'s: the layouts that such rows fit."""
+    fits = [name for name in layout.KV_LAYOUTS
+            if kv_cache.dim() in (2, 3) and pack.token_width(name) == kv_cache.shape[-1]
+            and pack.cache_dtype(name) == kv_cache.dtype]
+    if fits:
+        return (f"pass the kv_layout the cache was written in: {kv_cache.dtype} rows of {kv_cache.shape[-1]} are "
+                f"{' or '.join(repr(f) for f in fits)}")
+    return f"pass the layer's cache in kv_layout={lay.name!r}: {pack.describe(lay.name)}"
+
+
 def _has_internal_overlap(x: torch.Tensor) -> bool:
     """True when two index tuples of ``x`` address the same element (e.g. an ``expand``ed view)."""
     reach = 0  # elements spanned by the dims seen so far, smallest stride first
@@ -72,33 +98,33 @@ _MAX_SM_SCALE = 3.4028234663852886e38 / math.log2(math.e)
 def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_size, out,
               return_lse, lse_base, sink, scale_format) -> float:
     """Check every argument against the contract; returns sm_scale as a float."""
-    if kv_layout not in layout.KV_LAYOUTS:
+    lay = layout.LAYOUTS.get(kv_layout) if isinstance(kv_layout, str) else None
+    if lay is None:
         raise _fail("kv_layout", repr(kv_layout), f"one of {layout.KV_LAYOUTS}",
-                    "pass 'fp8_ds_mla' for the 656-byte fp8 cache or 'bf16' for the 576 x bf16 cache")
+                    f"pass the layout the cache was written in: {pack.describe_all()}")
 
-    q_supported = f"[T, H, {layout.HEAD_DIM}] bfloat16 or float32 with 1 <= H <= {MAX_HEADS}"
+    q_supported = (f"[T, H, {_q_width(lay)}] bfloat16 or float32 with 1 <= H <= {MAX_HEADS} "
+                   f"for kv_layout={kv_layout!r}")
     _need_tensor("q", q, q_supported)
-    if q.dim() != 3 or q.shape[2] != layout.HEAD_DIM:
-        raise _fail("q", _describe(q), q_supported,
-                    "pass q packed as [tokens, heads, 512 latent + 64 rope]")
+    if q.dim() != 3 or q.shape[2] != lay.head_dim:
+        raise _fail("q", _describe(q), q_supported, _q_fix(q, lay))
     if q.dtype not in (torch.bfloat16, torch.float32):
         raise _fail("q", _describe(q), q_supported, "cast q with .to(torch.bfloat16)")
     num_tokens, num_heads, _ = q.shape
     if not 1 <= num_heads <= MAX_HEADS:
         raise _fail("q", _describe(q), q_supported, "pass the heads of this rank (1..128)")
 
-    width, dtype = _CACHE_WIDTHS[kv_layout], _CACHE_DTYPES[kv_layout]
+    width, dtype = pack.token_width(kv_layout), pack.cache_dtype(kv_layout)
     cache_supported = (f"[num_pages, page_size, {width}] or [num_slots, {width}] {dtype} "
                        f"(last dim contiguous) for kv_layout={kv_layout!r}")
     _need_tensor("kv_cache", kv_cache, cache_supported)
     if kv_cache.dim() not in (2, 3) or kv_cache.shape[-1] != width or kv_cache.dtype != dtype:
-        raise _fail("kv_cache", _describe(kv_cache), cache_supported,
-                    "pass the layer's cache and the kv_layout it was written in")
+        raise _fail("kv_cache", _describe(kv_cache), cache_supported, _cache_fix(kv_cache, lay))
     if kv_cache.stride(-1) != 1:
         raise _fail("kv_cache", f"{_describe(kv_cache)} with strides {kv_cache.stride()}",
                     cache_supported, "pass a view whose rows are contiguous")
     _check_same_device("kv_cache", kv_cache, q)
-    if kv_layout == layout.FP8_DS_MLA:
+    if lay.fp8:
         # The four fp32 scales of each token are read as float32: every token must start on a
         # 4-byte boundary (vLLM's caches are 16-byte aligned).
         misaligned = [v for v in (kv_cache.storage_offset(), *kv_cache.stride()[:-1]) if v % 4]
@@ -141,9 +167,9 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
         raise _fail("return_lse", _describe(return_lse), "a bool", "pass True or False")
 
     if out is not None:
-        _check_optional("out", out, q, q.dtype, (num_tokens, num_heads, layout.KV_LORA_RANK),
-                        f"None or [{num_tokens}, {num_heads}, {layout.KV_LORA_RANK}] {q.dtype} on q's device",
-                        "pass an output buffer shaped like q with 512 columns")
+        _check_optional("out", out, q, q.dtype, (num_tokens, num_heads, lay.latent),
+                        f"None or [{num_tokens}, {num_heads}, {lay.latent}] {q.dtype} on q's device",
+                        f"pass an output buffer shaped like q with {lay.latent} columns (the latent's width)")
         if _has_internal_overlap(out):
             raise _fail("out", f"{_describe(out)} with strides {out.stride()}",
                         "a buffer whose elements are all distinct (no expanded or overlapping view)",

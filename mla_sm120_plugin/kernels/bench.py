@@ -3,17 +3,20 @@ measured in the same run, for the exact and the fast Triton kernels side by side
 configuration table's choice and its neighbours. Public torch/Triton APIs only; the CPU memory
 harness, which needs torch's private dispatch hooks, lives in ``benchmarks/cpu_memory.py``.
 
-Per shape (fp8_ds_mla cache with arbitrary-fp32 scales, bf16 q, top-k 2048; T = 1 / 64 / 2048
-tokens x 4 / 8 / 16 / 64 / 128 heads) and per kernel and launch configuration, as vLLM calls it
-(the kernel function with its own output buffer, no ``sparse_mla_forward`` validation):
+Per shape (an fp8_ds_mla cache by default - any layout of ``layout.KV_LAYOUTS`` with
+``kv_layout=``, e.g. GLM-5.3-Flash's rope-less ``fp8_ds_mla_nope`` - with arbitrary-fp32 scales,
+bf16 q, top-k 2048; T = 1 / 64 / 2048 tokens x 4 / 8 / 16 / 64 / 128 heads) and per kernel and
+launch configuration, as vLLM calls it (the kernel function with its own output buffer, no
+``sparse_mla_forward`` validation):
 
 * ``eager_us``: ``triton.testing.do_bench`` (launches back to back, host time included);
 * ``graph_us``: ``triton.testing.do_bench_cudagraph`` (what vLLM's captured decode sees);
 * ``host_us``: eager minus graph, the launch and Python cost of one call;
-* ``gbps``: ``T * topk * 656`` cache bytes / graph time, and its fraction of the measured
-  device-to-device copy bandwidth (bytes read plus written);
-* ``tflops``: ``2 * T * H * topk * (576 + 512)`` / graph time, and its fraction of the measured
-  dense bf16 matmul rate;
+* ``gbps``: ``T * topk * row`` cache bytes / graph time (``row``: the bytes of a row the kernels
+  load, :func:`~mla_sm120_plugin.kernels.triton_plan.row_bytes_read`: 656, 528 rope-less), and its
+  fraction of the measured device-to-device copy bandwidth (bytes read plus written);
+* ``tflops``: ``2 * T * H * topk * (head_dim + 512)`` / graph time (head_dim 576, 512 rope-less),
+  and its fraction of the measured dense bf16 matmul rate;
 * ``max_rel_diff`` against the torch reference (on the first :data:`REFERENCE_TOKENS` tokens) and
   the kernel's declared ``tolerance``;
 * ``config`` and ``traffic``: the launch configuration and the bytes its launches move
@@ -47,14 +50,24 @@ OTHER_KERNELS = ("flashinfer_sparse_mla",)
 KERNELS = TRITON_KERNELS + OTHER_KERNELS
 TABLE = "table"  # the configuration table's choice; the other candidates are named by their change
 REFERENCE_TOKENS = 32  # the torch reference checks this many tokens of each shape (T=2048 would take long)
-FLOPS_PER_CANDIDATE_HEAD = 2 * (layout.HEAD_DIM + layout.KV_LORA_RANK)  # q.k over 576, p.v over 512
+
+
+def flops_per_candidate_head(kv_layout: str) -> int:
+    """``2 * (head_dim + latent)``: q.k over the layout's head width (576 or 512), p.v over 512."""
+    lay = layout.get(kv_layout)
+    return 2 * (lay.head_dim + lay.latent)
+
+
+FLOPS_PER_CANDIDATE_HEAD = flops_per_candidate_head(layout.FP8_DS_MLA)  # the DSA layout's: 2 * (576 + 512)
 SM90_FAST_NOTE = ("sm_90: fp8 dots emulated (no fp8 mma.sync; Triton widens e4m3 to bf16 and runs HMMA); "
                   "not SM120's fp8-MMA speed")
 
 
 def make_inputs(num_heads: int, topk: int, num_tokens: int, kv_layout: str = layout.FP8_DS_MLA,
                 device: str = "cpu", seed: int = 0) -> dict[str, Any]:
-    """Random bf16 q, a cache with ``max(2 * topk, 4096)`` filled slots, and in-range indices."""
+    """Random bf16 q ([T, H, head_dim]), a ``kv_layout`` cache with ``max(2 * topk, 4096)`` filled
+    slots (arbitrary scales for fp8 layouts), and in-range indices."""
+    lay = layout.get(kv_layout)
     gen = torch.Generator().manual_seed(seed)
     num_pages = math.ceil(max(2 * topk, 4096) / layout.PAGE_SIZE)
     num_slots = num_pages * layout.PAGE_SIZE
@@ -62,14 +75,13 @@ def make_inputs(num_heads: int, topk: int, num_tokens: int, kv_layout: str = lay
     # Written a page at a time so that building inputs sets a low memory high-water mark (the CPU
     # harness measures a call's rise above it).
     for page in range(num_pages):
-        latent = torch.randn(layout.PAGE_SIZE, layout.HEAD_DIM, generator=gen)
-        tokens = (pack.quantize_fp8_ds_mla(latent, layout.SCALE_ARBITRARY) if kv_layout == layout.FP8_DS_MLA
-                  else pack.pack_bf16(latent))
+        latent = torch.randn(layout.PAGE_SIZE, lay.head_dim, generator=gen)
+        tokens = pack.pack(latent, kv_layout, layout.SCALE_ARBITRARY)
         pack.write_to_cache(cache, tokens, page * layout.PAGE_SIZE + torch.arange(layout.PAGE_SIZE))
     indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
-    q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    q = torch.randn(num_tokens, num_heads, lay.head_dim, generator=gen).to(torch.bfloat16)
     return dict(q=q.to(device), kv_cache=cache.to(device), indices=indices.to(device),
-                sm_scale=layout.HEAD_DIM**-0.5, kv_layout=kv_layout)
+                sm_scale=lay.head_dim**-0.5, kv_layout=kv_layout)
 
 
 def measure_ceilings(device: str, quick: bool) -> dict[str, float]:
@@ -135,7 +147,8 @@ def _tolerance(kernel: str) -> float | None:
     return None
 
 
-def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, heads: int, quick: bool) -> dict[str, Any]:
+def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, heads: int, quick: bool,
+             kv_layout: str = layout.FP8_DS_MLA) -> dict[str, Any]:
     import triton.testing
 
     got = fn()[: ref.shape[0]].float()
@@ -143,8 +156,8 @@ def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, hea
     rep = 20 if quick else 40
     eager_ms = triton.testing.do_bench(fn, warmup=5, rep=rep)
     graph_ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
-    kv_bytes = tokens * TOPK * layout.FP8_DS_MLA_TOKEN_BYTES
-    flops = tokens * heads * TOPK * FLOPS_PER_CANDIDATE_HEAD
+    kv_bytes = tokens * TOPK * plan.row_bytes_read(kv_layout)
+    flops = tokens * heads * TOPK * flops_per_candidate_head(kv_layout)
     gbps = kv_bytes / (graph_ms * 1e-3) / 1e9
     tflops = flops / (graph_ms * 1e-3) / 1e12
     return dict(eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3, host_us=(eager_ms - graph_ms) * 1e3,
@@ -160,41 +173,43 @@ def _config_dict(cfg: plan.LaunchConfig) -> dict[str, Any]:
 
 
 def _shape_row(tokens: int, heads: int, device: str, family: str, sm90: bool, ceilings: dict[str, float],
-               quick: bool) -> dict[str, Any]:
-    inputs = make_inputs(heads, TOPK, tokens, device=device)
+               quick: bool, kv_layout: str = layout.FP8_DS_MLA) -> dict[str, Any]:
+    inputs = make_inputs(heads, TOPK, tokens, kv_layout, device=device)
     n_ref = min(tokens, REFERENCE_TOKENS)
     ref = torch_sparse_mla(inputs["q"][:n_ref], inputs["kv_cache"], inputs["indices"][:n_ref],
                            sm_scale=inputs["sm_scale"], kv_layout=inputs["kv_layout"])
     out = torch.empty(tokens, heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=device)
-    row: dict[str, Any] = dict(num_tokens=tokens, num_heads=heads, topk=TOPK, kv_layout=layout.FP8_DS_MLA,
+    row: dict[str, Any] = dict(num_tokens=tokens, num_heads=heads, topk=TOPK, kv_layout=kv_layout,
                                scale_format=layout.SCALE_ARBITRARY, q_dtype="bf16",
-                               kv_bytes=tokens * TOPK * layout.FP8_DS_MLA_TOKEN_BYTES,
-                               flops=tokens * heads * TOPK * FLOPS_PER_CANDIDATE_HEAD, kernels={})
+                               kv_bytes=tokens * TOPK * plan.row_bytes_read(kv_layout),
+                               flops=tokens * heads * TOPK * flops_per_candidate_head(kv_layout), kernels={})
     for kernel in TRITON_KERNELS:
         per_config: dict[str, Any] = {}
         for label, cfg in candidate_configs(kernel, tokens, heads, TOPK, family).items():
             entry: dict[str, Any] = dict(config=_config_dict(cfg), tolerance=_tolerance(kernel),
-                                         traffic=plan.traffic(cfg, tokens, heads, TOPK).as_dict())
+                                         traffic=plan.traffic(cfg, tokens, heads, TOPK, kv_layout=kv_layout).as_dict())
             if kernel == plan.FAST.name and sm90:
                 entry["note"] = SM90_FAST_NOTE
             try:
-                entry.update(_measure(_triton_fn(kernel, inputs, cfg, out), ref, ceilings, tokens, heads, quick))
+                entry.update(_measure(_triton_fn(kernel, inputs, cfg, out), ref, ceilings, tokens, heads, quick,
+                                      kv_layout))
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a result
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             per_config[label] = entry
         row["kernels"][kernel] = per_config
     for name in OTHER_KERNELS:
         try:
-            row["kernels"][name] = {TABLE: _measure(_bound_fn(name, inputs, out), ref, ceilings, tokens, heads, quick)}
+            row["kernels"][name] = {TABLE: _measure(_bound_fn(name, inputs, out), ref, ceilings, tokens, heads, quick,
+                                                    kv_layout)}
         except Exception as exc:  # noqa: BLE001
             row["kernels"][name] = {TABLE: dict(error=f"{type(exc).__name__}: {str(exc)[:500]}")}
     return row
 
 
 def run_gpu_benchmarks(device: str = "cuda", quick: bool = False, *, shapes: list[tuple[int, int]] | None = None,
-                       compile_report: bool = True, progress=None) -> dict[str, Any]:
-    """Every kernel and candidate configuration on :data:`SHAPES` (JSON-serializable); see the
-    module docstring. ``compile_report`` adds the compile gate's readings for this GPU's arch;
+                       compile_report: bool = True, progress=None, kv_layout: str = layout.FP8_DS_MLA) -> dict[str, Any]:
+    """Every kernel and candidate configuration on :data:`SHAPES` over a ``kv_layout`` cache
+    (JSON-serializable); see the module docstring. ``compile_report`` adds the compile gate's readings for this GPU's arch;
     ``progress``, if given, is called with the report so far after every shape (a run cut short
     by a time limit keeps what it measured)."""
     from mla_sm120_plugin.kernels import compile_gate
@@ -218,12 +233,14 @@ def run_gpu_benchmarks(device: str = "cuda", quick: bool = False, *, shapes: lis
     report: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=family,
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), quick=quick,
+        kv_layout=kv_layout,
         ceilings=measure_ceilings(device, quick),
         measures={k: v for k, v in (line.split(": ", 1) for line in _MEASURES)},
         fast_kernel_note=SM90_FAST_NOTE if major == 9 else None, results=[], compiled=None,
     )
     for tokens, heads in shapes or (SHAPES_QUICK if quick else SHAPES):
-        report["results"].append(_shape_row(tokens, heads, device, family, major == 9, report["ceilings"], quick))
+        report["results"].append(_shape_row(tokens, heads, device, family, major == 9, report["ceilings"], quick,
+                                            kv_layout))
         torch.cuda.empty_cache()
         if progress is not None:
             progress(report)
@@ -240,8 +257,8 @@ _MEASURES = (
     "eager_us: triton.testing.do_bench median, host time included",
     "graph_us: triton.testing.do_bench_cudagraph, the call replayed from a CUDA graph",
     "host_us: eager_us - graph_us",
-    "gbps: T * topk * 656 cache bytes / graph time",
-    "tflops: 2 * T * H * topk * (576 + 512) / graph time",
+    "gbps: T * topk * row cache bytes (the bytes of a row the kernels load: 656, 528 rope-less) / graph time",
+    "tflops: 2 * T * H * topk * (head_dim + 512) / graph time (head_dim 576, 512 rope-less)",
     "traffic: modeled bytes of the config's launches (triton_plan.traffic), and its ratio to the minimum",
     "ceilings: copy_gbps (1 GiB device copy, read + written), matmul_tflops (bf16 n^3 matmul)",
 )
@@ -295,7 +312,8 @@ def figure(report: dict[str, Any]) -> Any:
     axes[2].set_ylabel("graph us (every candidate config)")
     axes[2].set_xticks([j + 0.4 for j in range(len(rows))], labels)
     note = f"\n{report['fast_kernel_note']}" if report.get("fast_kernel_note") else ""
-    axes[0].set_title(f"sparse MLA, fp8_ds_mla, topk {TOPK}, bf16 q - {report['device']}{note}", fontsize=9)
+    axes[0].set_title(f"sparse MLA, {report.get('kv_layout', layout.FP8_DS_MLA)}, topk {TOPK}, bf16 q - "
+                      f"{report['device']}{note}", fontsize=9)
     for ax in axes:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -12,7 +12,8 @@ from typing import Iterator
 
 from ..hooks.specs import hookimpl
 from ..types import DECODE, FAST, PREFILL, DeviceInfo, KernelSpec, ModelProfile, SelectionContext
-from .layout import BF16, FP8_DS_MLA
+from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
+from .layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE
 
 FLASHINFER = "flashinfer_sparse_mla"
 TRITON_FAST = "triton_sparse_mla_fast"
@@ -95,7 +96,7 @@ def _torch_probe(device: DeviceInfo) -> tuple[str, ...]:
 FLASHINFER_SPEC = KernelSpec(
     name=FLASHINFER,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA}),
+    kv_cache_dtypes=frozenset(FLASHINFER_LAYOUTS),
     vendors=frozenset({"nvidia"}),
     sm_families=frozenset({12}),
     priority=300,
@@ -113,7 +114,7 @@ FLASHINFER_SPEC = KernelSpec(
 TRITON_FAST_SPEC = KernelSpec(
     name=TRITON_FAST,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE}),
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
     priority=250,
@@ -128,7 +129,7 @@ TRITON_FAST_SPEC = KernelSpec(
 TRITON_SPEC = KernelSpec(
     name=TRITON,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA, BF16}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, BF16, BF16_NOPE}),
     # "cpu" only through Triton's interpreter (the probe checks TRITON_INTERPRET=1).
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
@@ -145,7 +146,7 @@ TRITON_SPEC = KernelSpec(
 TORCH_SPEC = KernelSpec(
     name=TORCH,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA, BF16}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, BF16, BF16_NOPE}),
     vendors=frozenset({"nvidia", "amd", "cpu"}),
     priority=100,
     entry="mla_sm120_plugin.kernels.reference:torch_sparse_mla",

@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,19 @@ def _describe(describe: dict[str, Any]) -> str:
 
 def launches() -> list[Any]:
     """One :class:`~mla_sm120_plugin.kernels.triton.Launch` per distinct variant the dispatcher can
-    launch: for the exact kernel, cache layout x output dtype (q's: bf16 or fp32; q itself is
-    always bf16 on a GPU) x final/split; for the fast kernel the same over the fp8_ds_mla cache (a
-    bf16 cache goes to the exact kernel); with the combine kernel for each partial and output dtype.
-    Built by the same ``launch_plan`` a call runs, on small CPU tensors (never launched)."""
+    launch: for the exact kernel, cache layout (every one of ``layout.KV_LAYOUTS``, rope-less ones
+    included) x output dtype (q's: bf16 or fp32; q itself is always bf16 on a GPU) x final/split;
+    for the fast kernel the same over the fp8 layouts (``layout.FP8_LAYOUTS``; a bf16 cache goes to
+    the exact kernel); with the combine kernel for each partial and output dtype. Built by the same
+    ``launch_plan`` a call runs, on small CPU tensors in each layout's own geometry (q as wide as
+    its ``head_dim``, rows of its ``row``; never launched).
+
+    Launches whose compiled code is the same (:func:`_compiled_identity`: same kernel, specialized
+    signature, constexprs and options) are one variant, compiled once: its ``cache`` names every
+    layout it serves (``fp8_ds_mla_nope+fp8_nope``: the 656- and 528-byte rope-less rows differ
+    only in the row stride, a runtime argument specialized alike)."""
+    import dataclasses
+
     import torch
 
     from mla_sm120_plugin.kernels import pack
@@ -74,13 +84,13 @@ def launches() -> list[Any]:
     from mla_sm120_plugin.kernels import triton_plan
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
-    found: dict[str, Any] = {}
+    found: dict[tuple, Any] = {}
     kinds = [(tk.launch_plan, cfg, layout.KV_LAYOUTS) for cfg in tk.launch_variants()]
-    kinds += [(tf.launch_plan, triton_plan.FAST.config(splits, 2), (layout.FP8_DS_MLA,)) for splits in (1, 2)]
+    kinds += [(tf.launch_plan, triton_plan.FAST.config(splits, 2), layout.FP8_LAYOUTS) for splits in (1, 2)]
     for make_plan, cfg, cache_layouts in kinds:
         for cache_layout in cache_layouts:
             for q_dtype in (torch.bfloat16, torch.float32):
-                q = torch.empty(tokens, heads, layout.HEAD_DIM, dtype=q_dtype)
+                q = torch.empty(tokens, heads, layout.get(cache_layout).head_dim, dtype=q_dtype)
                 plan = make_plan(
                     q, pack.make_cache(2, cache_layout), torch.empty(tokens, 64, dtype=torch.int32),
                     sm_scale=0.1, kv_layout=cache_layout, topk_length=torch.empty(tokens, dtype=torch.int32),
@@ -88,8 +98,22 @@ def launches() -> list[Any]:
                     lse=torch.empty(tokens, heads), lse_base="e", cfg=cfg, interpret=False,
                 )
                 for launch in plan:
-                    found.setdefault(_describe(launch.describe), launch)
+                    key = _compiled_identity(launch)
+                    seen = found.get(key)
+                    if seen is None:
+                        found[key] = launch
+                    elif "cache" in launch.describe and cache_layout not in seen.describe["cache"].split("+"):
+                        found[key] = dataclasses.replace(seen, describe={
+                            **seen.describe, "cache": f"{seen.describe['cache']}+{cache_layout}"})
     return list(found.values())
+
+
+def _compiled_identity(launch: Any) -> tuple:
+    """What decides a launch's compiled code: its kernel, the signature, constexprs and attributes
+    Triton's launcher derives from its arguments, and the compile options (the target aside)."""
+    signature, consts, attrs = _specialize(launch.kernel, list(launch.args), launch.constexprs, 120)
+    return (launch.kernel, repr(signature), repr(sorted(consts.items())), repr(sorted(attrs.items())),
+            launch.num_warps, launch.num_stages, launch.maxnreg)
 
 
 def _specialize(kernel: Any, args: list[Any], constexprs: dict[str, Any], arch: int) -> tuple[dict, dict, dict]:
@@ -217,9 +241,13 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
             options["maxnreg"] = launch.maxnreg
         compiled = triton.compile(ASTSource(fn=launch.kernel, signature=signature, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", arch, WARP_SIZE), options=options)
-        row.update(_ptxas_resources(compiled.asm["ptx"], arch))
+        # ptxas -v and the disassembler (~3 s a variant) are separate processes: run them side by side.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            resources = pool.submit(_ptxas_resources, compiled.asm["ptx"], arch)
+            readings = pool.submit(_cubin_readings, compiled.asm["cubin"])
+            row.update(resources.result())
+            row.update(readings.result())
         row["shared_bytes"] = int(compiled.metadata.shared)
-        row.update(_cubin_readings(compiled.asm["cubin"]))
         row["ctas_per_sm"], row["ctas_limited_by"] = ctas_per_sm(
             arch, row["cubin_registers"], launch.num_warps, row["shared_bytes"] + row["static_shared_bytes"])
         row["compiled"] = True
@@ -272,7 +300,18 @@ def report(arch: int) -> dict[str, Any]:
 def _report_here(arch: int) -> dict[str, Any]:
     import triton
 
-    rows = [compile_launch(launch, arch) for launch in launches()]
+    # Compile from source into a private cache: a cubin cached by another checkout's run (or an
+    # older kernel) must never be what the gate reads. The gate compiles every variant anyway.
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="mla-sm120-gate-") as cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+        try:
+            rows = [compile_launch(launch, arch) for launch in launches()]
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
     compiled = [r for r in rows if r["compiled"]]
     failures = gate_failures(arch, rows)
     return dict(

@@ -58,13 +58,20 @@ class NativeFormat(NamedTuple):
     kv_scale_format: str  # SparseMLASm120Wrapper(kv_scale_format=...)
 
 
-# Our scale format -> FlashInfer's family and kv_scale_format (0.7.2.post1 accepts
-# "auto", "pow2_fp32", "arbitrary_fp32", "ue8m0_g32"; at d_qk=576 the first two select DSv3.2,
-# "arbitrary_fp32" selects GLM_NSA).
+# Our scale format -> FlashInfer's family and kv_scale_format for the 576-wide DSA layout (0.7.2.post1
+# accepts "auto", "pow2_fp32", "arbitrary_fp32", "ue8m0_g32"; at d_qk=576 the first two select
+# DSv3.2, "arbitrary_fp32" selects GLM_NSA).
 NATIVE_FORMATS: dict[str, NativeFormat] = {
     layout.SCALE_POW2: NativeFormat(family="dsv3_2", kv_scale_format="pow2_fp32"),
     layout.SCALE_ARBITRARY: NativeFormat(family="glm_nsa", kv_scale_format="arbitrary_fp32"),
 }
+# The rope-less layouts (GLM-5.3-Flash): one family, glm53_nope, whose only scale format is
+# "arbitrary_fp32" (at d_qk=512 "auto" would select DSv4). It reads each tile's fp32 scale as a
+# value, so power-of-two scales are read right too; the row may be wider than its 528 bytes (vLLM's
+# 656-byte rows): the kernel takes the row stride from the tensor.
+NOPE_FORMAT = NativeFormat(family="glm53_nope", kv_scale_format="arbitrary_fp32")
+# The layouts FlashInfer's SM120 sparse MLA reads.
+FLASHINFER_LAYOUTS = (layout.FP8_DS_MLA, layout.FP8_DS_MLA_NOPE, layout.FP8_NOPE)
 
 # Where envelope_reasons() reads FlashInfer's envelope: the table packaged for the installed (else
 # newest) flashinfer-python version, pure Python; the installed flashinfer's
@@ -225,8 +232,10 @@ def _live_table() -> flashinfer_table.EnvelopeTable:
     return flashinfer_table.EnvelopeTable(version, decode, packaged.prefill_heads, packaged.prefill_topk_tile)
 
 
-def native_format(scale_format: str) -> NativeFormat:
-    """FlashInfer's family and kv_scale_format for our resolved ``scale_format``."""
+def native_format(scale_format: str, kv_layout: str = layout.FP8_DS_MLA) -> NativeFormat:
+    """FlashInfer's family and kv_scale_format for a cache of ``kv_layout`` written with ``scale_format``."""
+    if kv_layout in layout.LAYOUTS and layout.get(kv_layout).rope == 0 and scale_format in layout.SCALE_FORMATS:
+        return NOPE_FORMAT
     try:
         return NATIVE_FORMATS[scale_format]
     except KeyError:
@@ -277,19 +286,20 @@ def envelope_reasons(
     if source not in loaders:
         raise ValueError(format_error(f"source={source!r}", f"one of {ENVELOPE_SOURCES}", "pass one of them"))
     reasons: list[str] = []
-    if kv_layout != layout.FP8_DS_MLA:
+    if kv_layout not in FLASHINFER_LAYOUTS:
         reasons.append(
             f"kv_layout={kv_layout!r}: flashinfer's SM120 sparse MLA reads only packed fp8 caches "
-            f"(no bf16 sparse SM120 path in {PIP_PACKAGE} {flashinfer_table.table().flashinfer_version}); "
-            f"use --kv-cache-dtype {layout.FP8_DS_MLA} or another kernel"
+            f"({', '.join(FLASHINFER_LAYOUTS)}; no bf16 sparse SM120 path in {PIP_PACKAGE} "
+            f"{flashinfer_table.table().flashinfer_version}); use the engine's fp8 cache or another kernel"
         )
+        return tuple(reasons)
     for load in loaders[source]:
         try:
             table = load()
         except Exception as error:  # not installed / too old / broken: probe() says which
             table_reasons = [f"cannot read flashinfer's SM120 sparse-MLA table ({type(error).__name__}: {error})"]
         else:
-            table_reasons = _table_reasons(table, phase, num_heads, topk, max_tokens, scale_format)
+            table_reasons = _table_reasons(table, phase, num_heads, topk, max_tokens, scale_format, kv_layout)
         reasons.extend(r for r in table_reasons if r not in reasons)
     return tuple(reasons)
 
@@ -301,10 +311,11 @@ def _table_reasons(
     topk: int,
     max_tokens: int | None,
     scale_format: str,
+    kv_layout: str = layout.FP8_DS_MLA,
 ) -> list[str]:
     """The shape reasons of :func:`envelope_reasons` against one table (the layout is checked once)."""
     try:
-        family = native_format(scale_format).family
+        family = native_format(scale_format, kv_layout).family
     except KernelInputError as error:
         return [str(error)]
     config = table.decode.get(family)
@@ -313,10 +324,11 @@ def _table_reasons(
             f"scale_format={scale_format!r} runs flashinfer family {family!r}, which {PIP_PACKAGE} "
             f"{table.flashinfer_version} does not have (has {sorted(table.decode)})",
         ]
-    if config.d_qk != layout.HEAD_DIM or config.bytes_per_token != layout.FP8_DS_MLA_TOKEN_BYTES:
+    cache = layout.get(kv_layout)
+    if config.d_qk != cache.head_dim or config.bytes_per_token not in (cache.used, cache.row):
         return [
             f"flashinfer family {family!r} reads d_qk={config.d_qk}, {config.bytes_per_token} B/token, "
-            f"not the {layout.HEAD_DIM}-wide {layout.FP8_DS_MLA_TOKEN_BYTES}-byte {layout.FP8_DS_MLA} cache",
+            f"not the {cache.head_dim}-wide {cache.row}-byte {kv_layout} cache",
         ]
 
     reasons: list[str] = []
@@ -333,15 +345,10 @@ def _table_reasons(
     if max_tokens is None or max_tokens > limit:
         bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
         calls = f"{phase} calls of {bound}"
-        tile = table.prefill_topk_tile
-        # Decode calls can be bounded by the engine's settings; that is the fix to name.
+        # Decode calls can be bounded by the engine's settings; that is the fix to name. (The prefill
+        # kernels' whole 64-entry index rows are no limit: the binding pads a row with -1.)
         bound_fix = (f"; decode calls of <= {limit} tokens would fit (mla-sm120 check --max-decode-tokens {limit}; "
                      f"vLLM --max-num-seqs / SGLang --max-running-requests, x (1 + speculative tokens))") if phase == "decode" else ""
-        if topk % tile:
-            reasons.append(
-                f"topk={topk} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
-                f"which need topk % {tile} == 0 (decode handles any topk up to {limit} tokens a call){bound_fix}"
-            )
         if num_heads not in table.prefill_heads:
             reasons.append(
                 f"num_heads={num_heads} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "
@@ -434,9 +441,9 @@ def _kv_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int, bool]:
         if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] or kv_cache.shape[0] % layout.PAGE_SIZE:
             raise _bad_input(
                 f"flat kv_cache {tuple(kv_cache.shape)} with strides {tuple(kv_cache.stride())}",
-                f"[pages, {layout.PAGE_SIZE}, {layout.FP8_DS_MLA_TOKEN_BYTES}] pages, or flat rows that form whole "
+                f"[pages, {layout.PAGE_SIZE}, row] pages, or flat rows that form whole "
                 f"{layout.PAGE_SIZE}-row pages (back to back, a multiple of {layout.PAGE_SIZE} rows)",
-                f"pass the cache as pages: rows.view(-1, {layout.PAGE_SIZE}, {layout.FP8_DS_MLA_TOKEN_BYTES}) "
+                f"pass the cache as pages: rows.view(-1, {layout.PAGE_SIZE}, row) "
                 "(mla_sm120_plugin.kernels.pack.page_view)",
             )
         kv_cache = kv_cache.view(-1, layout.PAGE_SIZE, kv_cache.shape[1])
@@ -447,9 +454,8 @@ def _kv_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int, bool]:
     else:
         raise _bad_input(
             f"kv_cache shape {tuple(kv_cache.shape)}",
-            f"[pages, page_size, {layout.FP8_DS_MLA_TOKEN_BYTES}], [pages, 1, page_size, "
-            f"{layout.FP8_DS_MLA_TOKEN_BYTES}], [pages, page_size, 1, {layout.FP8_DS_MLA_TOKEN_BYTES}] or "
-            f"flat [num_slots, {layout.FP8_DS_MLA_TOKEN_BYTES}] rows",
+            "[pages, page_size, row], [pages, 1, page_size, row], [pages, page_size, 1, row] or flat "
+            "[num_slots, row] uint8 rows",
             "pass the layer's paged fp8_ds_mla cache",
         )
     page_size = kv_cache.shape[axis]
@@ -467,6 +473,7 @@ def check_inputs(
     out: torch.Tensor | None = None,
     lse_base: str = "e",
     require_cuda: bool = True,
+    kv_layout: str = layout.FP8_DS_MLA,
 ) -> torch.Tensor:
     """Everything :func:`flashinfer_sparse_mla` demands of its tensors, checked without a GPU.
 
@@ -478,19 +485,23 @@ def check_inputs(
     """
     import torch
 
-    if q.dim() != 3 or q.shape[-1] != layout.HEAD_DIM or q.dtype != torch.bfloat16 or (require_cuda and not q.is_cuda):
+    if kv_layout not in FLASHINFER_LAYOUTS:
+        raise _bad_input(f"kv_layout={kv_layout!r}", f"one of {FLASHINFER_LAYOUTS}",
+                         "route this cache to the triton or torch kernel")
+    cache = layout.get(kv_layout)
+    if q.dim() != 3 or q.shape[-1] != cache.head_dim or q.dtype != torch.bfloat16 or (require_cuda and not q.is_cuda):
         raise _bad_input(
             f"q {tuple(q.shape)} {q.dtype} on {q.device}",
-            f"[T, H, {layout.HEAD_DIM}] torch.bfloat16" + (" on a CUDA device" if require_cuda else ""),
-            "pack q as [ql_nope (512), q_pe (64)] in bfloat16",
+            f"[T, H, {cache.head_dim}] torch.bfloat16" + (" on a CUDA device" if require_cuda else ""),
+            f"pack q as [ql_nope ({cache.latent})" + (f", q_pe ({cache.rope})]" if cache.rope else "] (no rope)")
+            + " in bfloat16",
         )
     num_tokens, num_heads, _ = q.shape
-    row = layout.FP8_DS_MLA_TOKEN_BYTES
-    if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] < row or kv_cache.device != q.device:
+    if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != cache.row or kv_cache.device != q.device:
         raise _bad_input(
             f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} on {kv_cache.device}",
-            f"torch.uint8 rows of >= {layout.FP8_DS_MLA_TOKEN_BYTES} bytes on q's device",
-            "pass kv_cache.view(torch.uint8) of the fp8_ds_mla cache",
+            f"torch.uint8 rows of {cache.row} bytes ({kv_layout}) on q's device",
+            f"pass kv_cache.view(torch.uint8) of the {kv_layout} cache",
         )
     if kv_cache.stride(-1) != 1 or kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16:
         raise _bad_input(
@@ -548,6 +559,16 @@ def mask_out_of_range(indices: torch.Tensor, num_slots: int) -> torch.Tensor:
     import torch
 
     return torch.where(indices < num_slots, indices, -1)
+
+
+def pad_to_tiles(indices: torch.Tensor, tile: int) -> torch.Tensor:
+    """``indices`` widened with -1 columns to a multiple of ``tile``: FlashInfer's prefill kernels read
+    whole ``tile``-entry index rows (SGLang passes 2051 ids for GLM-5.3-Flash); -1 is skipped, so the
+    answer is the same. Rows already whole are returned as they are."""
+    import torch
+
+    short = -indices.shape[1] % tile
+    return indices if not short else torch.nn.functional.pad(indices, (0, short), value=-1)
 
 
 def sink_free_lse(native_lse: torch.Tensor, sink: torch.Tensor | None, lse_base: str) -> torch.Tensor:
@@ -649,9 +670,9 @@ def prepare_call(
             "pass float(layer.scaling) once at init, not a tensor",
         )
     kv_cache = check_inputs(q, kv_cache, indices, topk_length=topk_length, sink=sink, out=out, lse_base=lse_base,
-                            require_cuda=require_cuda)
+                            require_cuda=require_cuda, kv_layout=kv_layout)
     num_tokens, num_heads, _ = q.shape
-    fmt = native_format(scale_format)
+    fmt = native_format(scale_format, kv_layout)
     limit = _sparse_configs()[fmt.family].max_num_tokens
     outside = envelope_reasons(
         phase="decode" if num_tokens <= limit else "prefill",
@@ -688,10 +709,13 @@ def prepare_call(
     # Native LSE is base 2; lse_scale rescales it in the kernel. The sink correction works in
     # natural units, so a sink with a base-2 request goes through e and is converted afterwards.
     native_base2 = return_lse and lse_base == "2" and sink is None
+    indices = mask_out_of_range(indices, num_slots)
+    if num_tokens > limit:
+        indices = pad_to_tiles(indices, flashinfer_table.table().prefill_topk_tile)
     kwargs = _native_call_kwargs(
         q.contiguous(),
         kv_cache,
-        mask_out_of_range(indices, num_slots),
+        indices,
         out,
         sm_scale=sm_scale,
         topk_length=topk_length,
@@ -722,13 +746,15 @@ def flashinfer_sparse_mla(
     tolerance. Graph-safe after one eager call per shape: no host sync, no allocation of FlashInfer
     state during capture.
 
-    q: [T, H, 576], bfloat16, CUDA (copied once if not contiguous)
+    q: [T, H, 576] (fp8_ds_mla) or [T, H, 512] (the rope-less layouts), bfloat16, CUDA (copied once
+        if not contiguous)
     kv_cache: [P, page_size, 656] uint8 fp8_ds_mla (also [P, 1, page_size, 656] / [P, page_size, 1, 656]);
         flat [num_slots, 656] rows are read as 64-row pages (num_slots a multiple of 64)
     indices: [T, topk], int32, global slots (page * page_size + row); -1 and ids outside
         [0, P * page_size) are skipped
     sm_scale: Python float, the model's softmax scale
-    kv_layout: must be ``"fp8_ds_mla"``
+    kv_layout: ``"fp8_ds_mla"`` (FlashInfer family dsv3_2 or glm_nsa, by ``scale_format``), or
+        ``"fp8_ds_mla_nope"`` / ``"fp8_nope"`` (family glm53_nope, which reads any fp32 scales)
     topk_length: [T], int32, optional; positions >= topk_length[t] are skipped (native argument)
     out: [T, H, 512], bfloat16, contiguous, optional; written in place
     return_lse: also return lse [T, H] float32 (sink-free, base ``lse_base``: ``"e"`` or ``"2"``)

@@ -1,8 +1,9 @@
 """Pack, unpack and store KV-cache tokens in the layouts of :mod:`.layout` (torch).
 
-The byte layout itself is described once, in :mod:`mla_sm120_plugin.kernels.layout`; this module
-only moves values into and out of those bytes. It is the writer the tests and benchmarks use, and
-the dequantizer the torch reference uses.
+The byte layout itself is described once, in :mod:`mla_sm120_plugin.kernels.layout`, as data
+(:class:`~mla_sm120_plugin.kernels.layout.CacheLayout`); this module only moves values into and out
+of those bytes, for every layout, driven by that data: :func:`pack` and :func:`dequantize`. It is
+the writer the tests and benchmarks use, and the dequantizer the torch reference uses.
 
 Global slot ids are ``page * page_size + row``, the same ids ``indices`` carries.
 """
@@ -44,14 +45,50 @@ def _tile_scales(amax: torch.Tensor, scale_format: str) -> torch.Tensor:
     )
 
 
-def _check_latent(latent: torch.Tensor) -> None:
-    if not isinstance(latent, torch.Tensor) or latent.dim() != 2 or latent.shape[1] != layout.HEAD_DIM:
-        shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+def describe(kv_layout: str) -> str:
+    """One layout in words, from its data: ``fp8_nope (528 B: 512 fp8 latent + 4 fp32 scales, no rope)``."""
+    lay = layout.LAYOUTS[kv_layout]
+    if lay.fp8:
+        parts = f"{lay.latent} fp8 latent + {lay.latent // layout.FP8_TILE} fp32 scales"
+        parts += f" + {lay.rope} bf16 rope" if lay.rope else ", no rope"
+        if lay.row > lay.used:
+            parts += f", {lay.row - lay.used} reserved"
+    else:
+        parts = f"{lay.row} x bf16: {lay.latent} latent" + (f" + {lay.rope} rope" if lay.rope else ", no rope")
+    return f"{lay.name} ({lay.token_bytes} B: {parts})"
+
+
+def describe_all() -> str:
+    """Every layout in words (what an error's ``fix`` lists)."""
+    return "; ".join(describe(name) for name in layout.KV_LAYOUTS)
+
+
+def get_layout(kv_layout: object) -> layout.CacheLayout:
+    """The :class:`~.layout.CacheLayout` called ``kv_layout``.
+
+    :raises KernelInputError: naming every known layout.
+    """
+    lay = layout.LAYOUTS.get(kv_layout) if isinstance(kv_layout, str) else None
+    if lay is None:
         raise KernelInputError(
             format_error(
-                given=f"latent shape {shape}",
-                supported=f"[N, {layout.HEAD_DIM}] (512 latent + 64 rope)",
-                fix="pass one row per token, latent and rope concatenated",
+                given=f"kv_layout={kv_layout!r}",
+                supported=f"one of {layout.KV_LAYOUTS}",
+                fix=f"pass the layout the cache is written in: {describe_all()}",
+            )
+        )
+    return lay
+
+
+def _check_latent(latent: torch.Tensor, lay: layout.CacheLayout) -> None:
+    if not isinstance(latent, torch.Tensor) or latent.dim() != 2 or latent.shape[1] != lay.head_dim:
+        shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+        rope = f"{lay.latent} latent + {lay.rope} rope" if lay.rope else f"{lay.latent} latent, no rope"
+        raise KernelInputError(
+            format_error(
+                given=f"latent shape {shape} for kv_layout={lay.name!r}",
+                supported=f"[N, {lay.head_dim}] ({rope})",
+                fix="pass one row per token: the latent, then the rope where the layout has one",
             )
         )
     if latent.dtype not in (torch.bfloat16, torch.float32):
@@ -64,96 +101,120 @@ def _check_latent(latent: torch.Tensor) -> None:
         )
 
 
-def quantize_fp8_ds_mla(latent: torch.Tensor, scale_format: str) -> torch.Tensor:
-    """Pack tokens into the 656-byte ``fp8_ds_mla`` layout.
+def pack(latent: torch.Tensor, kv_layout: str, scale_format: str | None = None) -> torch.Tensor:
+    """Pack tokens into the rows of ``kv_layout`` (any layout of :data:`.layout.LAYOUTS`).
 
-    Each 128-wide latent tile gets one fp32 scale: ``pow2`` stores
-    ``2 ** ceil(log2(max(amax / 448, 1e-4)))`` (DeepSeek-V3.2), ``arbitrary`` stores
-    ``amax / 448`` (GLM), and :data:`ZERO_TILE_SCALE` for an all-zero tile. The stored fp8 value is
-    ``clamp(x / scale, -448, 448)`` rounded to nearest by torch. The RoPE part is stored as raw
-    bfloat16 bytes (an fp32 input is rounded to bfloat16 first). Non-finite inputs give non-finite
-    scales; they are not checked here.
+    fp8 layouts: each 128-wide latent tile gets one fp32 scale, stored right after the latent:
+    ``pow2`` stores ``2 ** ceil(log2(max(amax / 448, 1e-4)))`` (DeepSeek-V3.2), ``arbitrary``
+    stores ``amax / 448`` (GLM), and :data:`ZERO_TILE_SCALE` for an all-zero tile. The stored fp8
+    value is ``clamp(x / scale, -448, 448)`` rounded to nearest by torch. A rope part, where the
+    layout has one, is stored as raw bfloat16 bytes (an fp32 input is rounded to bfloat16 first).
+    bf16 layouts: the values rounded to bfloat16. Bytes a row reserves (``fp8_ds_mla_nope``'s
+    [528, 656)) are written as zeros. Non-finite inputs give non-finite scales; they are not checked.
+
+    latent: [N, layout.head_dim], bfloat16 or float32 (the latent, then the rope if any)
+    scale_format: "pow2" or "arbitrary"; required for fp8 layouts, ignored for bf16 ones
+    returns: [N, layout.row], uint8 (fp8 layouts) or bfloat16, contiguous
+    """
+    lay = get_layout(kv_layout)
+    _check_latent(latent, lay)
+    n = latent.shape[0]
+    if not lay.fp8:
+        rows = torch.zeros(n, lay.row, dtype=torch.bfloat16, device=latent.device)  # [N, row]
+        rows[:, : lay.head_dim] = latent.to(torch.bfloat16)
+        return rows
+    tiles = lay.latent // layout.FP8_TILE
+    x = latent.float()
+    nope = x[:, : lay.latent].reshape(n, tiles, layout.FP8_TILE)  # [N, 4, 128]
+    amax = nope.abs().amax(dim=-1)  # [N, 4]
+    scales = _tile_scales(amax, scale_format)  # [N, 4] fp32
+    scaled = (nope / scales[:, :, None]).clamp(-layout.FP8_E4M3_MAX, layout.FP8_E4M3_MAX)  # [N, 4, 128]
+    fp8 = scaled.to(torch.float8_e4m3fn).reshape(n, lay.latent)  # [N, 512]
+
+    packed = torch.zeros(n, lay.row, dtype=torch.uint8, device=latent.device)  # [N, row]; reserved bytes stay 0
+    packed[:, : lay.latent] = fp8.view(torch.uint8)
+    packed[:, lay.scale_offset : lay.scale_offset + 4 * tiles] = scales.contiguous().view(torch.uint8)
+    if lay.rope:
+        rope = latent[:, lay.latent :].to(torch.bfloat16).contiguous()  # [N, rope]
+        packed[:, lay.rope_offset : lay.used] = rope.view(torch.uint8)
+    return packed
+
+
+def dequantize(rows: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """Cached rows of ``kv_layout`` as fp32 values: ``fp8 * scale`` for the latent of fp8 layouts,
+    the rope (if any) and bf16 values widened; reserved bytes are never read.
+
+    rows: [..., layout.row], uint8 (fp8 layouts) or bfloat16 (any strides; the last dim need not be
+        contiguous)
+    returns: [..., layout.head_dim], float32
+    """
+    lay = get_layout(kv_layout)
+    if rows.dtype != cache_dtype(kv_layout) or rows.shape[-1] != lay.row:
+        raise KernelInputError(
+            format_error(
+                given=f"rows dtype {rows.dtype}, shape {tuple(rows.shape)} for kv_layout={kv_layout!r}",
+                supported=f"{cache_dtype(kv_layout)} [..., {lay.row}]",
+                fix=f"pass rows of the {kv_layout} cache, or the kv_layout they were written in",
+            )
+        )
+    if not lay.fp8:
+        return rows[..., : lay.head_dim].float()  # [..., head_dim]
+    lead = rows.shape[:-1]
+    tiles = lay.latent // layout.FP8_TILE
+    values = torch.empty(*lead, lay.head_dim, dtype=torch.float32, device=rows.device)  # [..., head_dim]
+    # Scales and rope are copied out (16 + 2 * rope bytes a token) so the dtype views below never
+    # depend on the caller's strides or storage-offset alignment; the fp8 bytes are viewed in place.
+    scales = rows[..., lay.scale_offset : lay.scale_offset + 4 * tiles].contiguous().view(torch.float32)  # [..., 4]
+    nope = rows[..., : lay.latent].view(torch.float8_e4m3fn)  # [..., 512]
+    shape = (*lead, tiles, layout.FP8_TILE)
+    torch.mul(
+        nope.float().reshape(shape),  # [..., 4, 128]
+        scales[..., None],  # [..., 4, 1]
+        out=values[..., : lay.latent].unflatten(-1, shape[-2:]),
+    )
+    if lay.rope:
+        values[..., lay.latent :].copy_(rows[..., lay.rope_offset : lay.used].contiguous().view(torch.bfloat16))
+    return values
+
+
+def quantize_fp8_ds_mla(latent: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """:func:`pack` into ``fp8_ds_mla`` (656 bytes a token).
 
     latent: [N, 576], bfloat16 or float32 (512 latent then 64 rope)
     returns: [N, 656], uint8
     """
-    _check_latent(latent)
-    n = latent.shape[0]
-    x = latent.float()
-    nope = x[:, : layout.KV_LORA_RANK].reshape(n, layout.FP8_NUM_TILES, layout.FP8_TILE)  # [N, 4, 128]
-    amax = nope.abs().amax(dim=-1)  # [N, 4]
-    scales = _tile_scales(amax, scale_format)  # [N, 4] fp32
-    scaled = (nope / scales[:, :, None]).clamp(-layout.FP8_E4M3_MAX, layout.FP8_E4M3_MAX)  # [N, 4, 128]
-    fp8 = scaled.to(torch.float8_e4m3fn).reshape(n, layout.KV_LORA_RANK)  # [N, 512]
-    rope = latent[:, layout.KV_LORA_RANK :].to(torch.bfloat16).contiguous()  # [N, 64]
-
-    packed = torch.empty(n, layout.FP8_DS_MLA_TOKEN_BYTES, dtype=torch.uint8, device=latent.device)
-    packed[:, layout.FP8_NOPE_OFFSET : layout.FP8_SCALE_OFFSET] = fp8.view(torch.uint8)
-    packed[:, layout.FP8_SCALE_OFFSET : layout.FP8_ROPE_OFFSET] = scales.contiguous().view(torch.uint8)
-    packed[:, layout.FP8_ROPE_OFFSET :] = rope.view(torch.uint8)
-    return packed
+    return pack(latent, layout.FP8_DS_MLA, scale_format)
 
 
 def dequantize_fp8_ds_mla(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack ``fp8_ds_mla`` tokens to fp32 values (``value = fp8 * scale``, rope widened).
+    """:func:`dequantize` of ``fp8_ds_mla`` rows.
 
     packed: [..., 656], uint8 (any strides; the last dim need not be contiguous)
     returns: [..., 576], float32
     """
-    if packed.dtype != torch.uint8 or packed.shape[-1] != layout.FP8_DS_MLA_TOKEN_BYTES:
-        raise KernelInputError(
-            format_error(
-                given=f"packed dtype {packed.dtype}, shape {tuple(packed.shape)}",
-                supported=f"torch.uint8 [..., {layout.FP8_DS_MLA_TOKEN_BYTES}]",
-                fix="pass rows of the fp8_ds_mla cache",
-            )
-        )
-    lead = packed.shape[:-1]
-    values = torch.empty(*lead, layout.HEAD_DIM, dtype=torch.float32, device=packed.device)
-    # Scales and rope are copied out (16 + 128 bytes a token) so the dtype views below never depend
-    # on the caller's strides or storage-offset alignment; the 512 fp8 bytes are viewed in place.
-    scales = packed[..., layout.FP8_SCALE_OFFSET : layout.FP8_ROPE_OFFSET].contiguous().view(torch.float32)
-    rope = packed[..., layout.FP8_ROPE_OFFSET :].contiguous().view(torch.bfloat16)  # [..., 64]
-    nope = packed[..., layout.FP8_NOPE_OFFSET : layout.FP8_SCALE_OFFSET].view(torch.float8_e4m3fn)
-    tiles = (*lead, layout.FP8_NUM_TILES, layout.FP8_TILE)
-    torch.mul(
-        nope.float().reshape(tiles),  # [..., 4, 128]
-        scales[..., None],  # [..., 4, 1]
-        out=values[..., : layout.KV_LORA_RANK].unflatten(-1, tiles[-2:]),
-    )
-    values[..., layout.KV_LORA_RANK :].copy_(rope)
-    return values  # [..., 576]
+    return dequantize(packed, layout.FP8_DS_MLA)
 
 
 def pack_bf16(latent: torch.Tensor) -> torch.Tensor:
-    """Pack tokens into the ``bf16`` layout (the 576 values, rounded to bfloat16).
+    """:func:`pack` into ``bf16`` (the 576 values, rounded to bfloat16).
 
     latent: [N, 576], bfloat16 or float32
     returns: [N, 576], bfloat16, contiguous
     """
-    _check_latent(latent)
-    return latent.to(torch.bfloat16).contiguous()
+    return pack(latent, layout.BF16)
+
+
+_TORCH_DTYPES = {layout.UINT8: torch.uint8, layout.BFLOAT16: torch.bfloat16}
 
 
 def token_width(kv_layout: str) -> int:
-    """Last-dim size of a cache in ``kv_layout``: bytes for fp8_ds_mla, elements for bf16."""
-    if kv_layout == layout.FP8_DS_MLA:
-        return layout.FP8_DS_MLA_TOKEN_BYTES
-    if kv_layout == layout.BF16:
-        return layout.BF16_TOKEN_ELEMS
-    raise KernelInputError(
-        format_error(
-            given=f"kv_layout={kv_layout!r}",
-            supported=f"one of {layout.KV_LAYOUTS}",
-            fix="pass 'fp8_ds_mla' for the 656-byte fp8 cache or 'bf16' for the 1152-byte cache",
-        )
-    )
+    """Last-dim size of a cache in ``kv_layout``: bytes for fp8 layouts, elements for bf16 ones."""
+    return get_layout(kv_layout).row
 
 
 def cache_dtype(kv_layout: str) -> torch.dtype:
     """Element dtype of a cache in ``kv_layout``."""
-    token_width(kv_layout)  # validates the name
-    return torch.uint8 if kv_layout == layout.FP8_DS_MLA else torch.bfloat16
+    return _TORCH_DTYPES[get_layout(kv_layout).element]
 
 
 def make_cache(
@@ -162,9 +223,9 @@ def make_cache(
     page_size: int = layout.PAGE_SIZE,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """A zero-filled paged cache (zero bytes decode to zero values in both layouts).
+    """A zero-filled paged cache (zero bytes decode to zero values in every layout).
 
-    returns: [num_pages, page_size, 656] uint8 (fp8_ds_mla) or [num_pages, page_size, 576] bfloat16
+    returns: [num_pages, page_size, layout.row], uint8 (fp8 layouts) or bfloat16
     """
     return torch.zeros(
         num_pages, page_size, token_width(kv_layout), dtype=cache_dtype(kv_layout), device=device
@@ -234,7 +295,7 @@ def write_to_cache(
     Works on page-strided views: it indexes ``(page, row)`` and never flattens the cache.
 
     kv_cache: [num_pages, page_size, width] or [num_slots, width], uint8 or bfloat16
-    tokens: [N, width], the cache's dtype (from :func:`quantize_fp8_ds_mla` or :func:`pack_bf16`)
+    tokens: [N, width], the cache's dtype (from :func:`pack`)
     slot_mapping: [N], any integer dtype, global slot ids
     """
     if tokens.dim() != 2 or tokens.shape[1] != kv_cache.shape[-1] or tokens.dtype != kv_cache.dtype:
@@ -242,7 +303,7 @@ def write_to_cache(
             format_error(
                 given=f"tokens {tuple(tokens.shape)} {tokens.dtype}",
                 supported=f"[N, {kv_cache.shape[-1]}] {kv_cache.dtype} (the cache's row and dtype)",
-                fix="pack tokens with quantize_fp8_ds_mla or pack_bf16 for this cache's layout",
+                fix="pack tokens with pack(latent, kv_layout, scale_format) for this cache's layout",
             )
         )
     if slot_mapping.shape != (tokens.shape[0],):

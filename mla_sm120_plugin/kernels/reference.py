@@ -2,7 +2,8 @@
 
 Semantics (FACTS.md section 4): for token ``t`` and head ``h``,
 ``s_j = sm_scale * <q[t, h], K_j>`` over the valid slots ``j`` of ``indices[t]``, where
-``K_j = [dequant(latent_j), rope_j]`` (576 wide) and ``V_j = K_j[:512]``;
+``K_j = [dequant(latent_j), rope_j]`` (``layout.head_dim`` wide: 576 for the DSA layouts, 512 for
+the rope-less ones, which have no ``rope_j``) and ``V_j = K_j[:512]``;
 ``out = softmax(s) @ V`` and ``lse = logsumexp(s)``. A slot is invalid when it is ``-1``, outside
 ``[0, num_slots)``, or at a position ``>= topk_length[t]``. Invalid slots are never read: their
 index is replaced by slot 0 before the gather and the gathered row is zeroed, so neither the bytes
@@ -21,7 +22,7 @@ import math
 import torch
 
 from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla
+from mla_sm120_plugin.kernels.pack import dequantize
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -31,15 +32,16 @@ _INDEX_BYTES = 8 * 4  # int64 slot ids, their page and row, and the bool mask, p
 def bytes_per_token(num_heads: int, topk: int, kv_layout: str) -> int:
     """Upper bound on the temporary bytes the reference holds for one query token.
 
-    Per candidate: index arithmetic (:data:`_INDEX_BYTES`), the gathered raw row, the fp32
-    dequantized row (576 x 4 B) plus one fp32 row of dequantization scratch. Per head and candidate:
-    the fp32 scores and up to three score-sized temporaries inside ``logsumexp`` (not all visible to
-    a tensor-level measurement, hence the margin). Per head: the fp32 copy of
-    q, the fp32 output and its dtype-converted copy.
+    Per candidate: index arithmetic (:data:`_INDEX_BYTES`), the gathered raw row (the layout's
+    ``token_bytes``), the fp32 dequantized row (``head_dim`` x 4 B) plus one fp32 row of
+    dequantization scratch. Per head and candidate: the fp32 scores and up to three score-sized
+    temporaries inside ``logsumexp`` (not all visible to a tensor-level measurement, hence the
+    margin). Per head: the fp32 copy of q (``head_dim`` wide), the fp32 output and its
+    dtype-converted copy (``latent`` wide).
     """
-    raw = layout.TOKEN_BYTES[kv_layout]
-    per_candidate = _INDEX_BYTES + raw + 2 * layout.HEAD_DIM * 4
-    per_head = 4 * topk * 4 + (layout.HEAD_DIM + 2 * layout.KV_LORA_RANK) * 4
+    lay = layout.get(kv_layout)
+    per_candidate = _INDEX_BYTES + lay.token_bytes + 2 * lay.head_dim * 4
+    per_head = 4 * topk * 4 + (lay.head_dim + 2 * lay.latent) * 4
     return topk * per_candidate + num_heads * per_head
 
 
@@ -86,9 +88,11 @@ def torch_sparse_mla(
     ``bytes_per_token(H, topk, kv_layout)``; a single token over the bound is still run alone. A
     naive full gather at T=4096, topk=2048 would need ~19 GB of fp32 keys.
 
-    q: [T, H, 576], bfloat16 or float32
-    kv_cache: [P, page_size, 656] uint8 (fp8_ds_mla) or [P, page_size, 576] bfloat16 (bf16);
-        [num_slots, width] flat and page-strided views work too
+    The contract (shapes, dtypes, masking) is :func:`mla_sm120_plugin.kernels.sparse_mla_forward`'s:
+
+    q: [T, H, layout.head_dim], bfloat16 or float32 (576 for the DSA layouts, 512 rope-less)
+    kv_cache: [P, page_size, layout.row] in the layout's dtype (uint8 for fp8 layouts, bfloat16
+        else); [num_slots, width] flat and page-strided views work too
     indices: [T, topk], int32, global slots (page * page_size + row), -1 padded
     topk_length: [T], int32, optional; positions >= topk_length[t] are invalid
     sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse))
@@ -96,11 +100,12 @@ def torch_sparse_mla(
     returns: out [T, H, 512] in q's dtype, and lse [T, H] float32 when ``return_lse`` (natural
         log when ``lse_base == "e"``, base 2 when ``"2"``)
     """
+    lay = layout.get(kv_layout)
     num_tokens, num_heads, _ = q.shape
     topk = indices.shape[1]
     num_slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
     if out is None:
-        out = torch.empty(num_tokens, num_heads, layout.KV_LORA_RANK, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_tokens, num_heads, lay.latent, dtype=q.dtype, device=q.device)
     lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     positions = torch.arange(topk, device=indices.device)  # [K]
     chunk = tokens_per_chunk(num_heads, topk, kv_layout, max_chunk_bytes)
@@ -118,21 +123,18 @@ def torch_sparse_mla(
             raw = _gather_rows(kv_cache, slots)  # [c, K, W]
         else:
             raw = torch.zeros(*slots.shape, kv_cache.shape[-1], dtype=kv_cache.dtype, device=q.device)
-        if kv_layout == layout.FP8_DS_MLA:
-            keys = dequantize_fp8_ds_mla(raw)  # [c, K, 576] fp32
-        else:
-            keys = raw.float()  # [c, K, 576] fp32
+        keys = dequantize(raw, kv_layout)  # [c, K, D] fp32, D = head_dim (576 or 512)
         del raw
         keys.masked_fill_(~valid[:, :, None], 0.0)
 
-        qf = q[t0:t1].float()  # [c, H, 576]
+        qf = q[t0:t1].float()  # [c, H, D]
         scores = torch.bmm(qf, keys.transpose(1, 2)).mul_(sm_scale)  # [c, H, K]
         del qf
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [c, H]; -inf where no slot is valid
         finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # [c, H]
         probs = scores.sub_(finite_lse[:, :, None]).exp_()  # [c, H, K]; 0 at invalid slots
-        result = torch.bmm(probs, keys[:, :, : layout.KV_LORA_RANK])  # [c, H, 512] fp32
+        result = torch.bmm(probs, keys[:, :, : lay.latent])  # [c, H, 512] fp32
         del probs, keys
         if sink is not None:
             # lse = -inf gives exp(inf) = inf and a factor of 0: the row is already 0.

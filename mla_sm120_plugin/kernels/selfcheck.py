@@ -86,7 +86,8 @@ class CheckResult:
     def summary(self) -> str:
         if self.passed:
             return f"{self.key.kernel} ok (max error {self.max_error:.2e} <= {self.tolerance:.0e}, {self.seconds:.2f} s)"
-        where = f" on {self.key.written_format}-written scales" if self.key.kv_layout == layout.FP8_DS_MLA else ""
+        fp8 = self.key.kv_layout in layout.FP8_LAYOUTS
+        where = f" on {self.key.written_format}-written scales" if fp8 else ""
         return f"{self.key.kernel} FAILED{where} ({self.error})"
 
 
@@ -113,22 +114,22 @@ def clear_cache() -> None:
 def _case(key: CheckKey, device: torch.device) -> dict[str, Any]:
     """The deterministic inputs of a check, in the geometry the engines pass: 64-row pages.
 
+    Any layout of ``layout.LAYOUTS``: q and the cached tokens are as wide as its ``head_dim`` (576,
+    or 512 for GLM-5.3-Flash's rope-less rows), the rows are written by :func:`pack.pack` with the
+    key's ``written_format`` (fp8 layouts), reserved bytes as zeros.
+
     Every tensor is made on the CPU with an explicit dtype, then moved to ``device``: the engines
     build the impl inside their own default device and dtype (vLLM: ``torch.device("cuda")`` and the
     model's bf16), which must change neither the case nor where its generator runs.
     """
+    lay = layout.get(key.kv_layout)
     cpu = torch.device("cpu")
     gen = torch.Generator(device=cpu).manual_seed(0)
     num_slots = NUM_PAGES * layout.PAGE_SIZE
-    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen, dtype=torch.float32, device=cpu)  # [S, 576]
+    latent = torch.randn(num_slots, lay.head_dim, generator=gen, dtype=torch.float32, device=cpu)  # [S, D]
     gains = torch.tensor(_TILE_GAINS, dtype=torch.float32, device=cpu).repeat_interleave(layout.FP8_TILE)  # [512]
-    latent[:, : layout.KV_LORA_RANK] *= gains
-    if key.kv_layout == layout.FP8_DS_MLA:
-        rows = pack.quantize_fp8_ds_mla(latent, key.written_format)  # [S, 656] uint8
-    elif key.kv_layout == layout.BF16:
-        rows = pack.pack_bf16(latent)  # [S, 576] bf16
-    else:
-        raise ValueError(f"no self-check case for kv_layout={key.kv_layout!r} (layouts: {layout.KV_LAYOUTS})")
+    latent[:, : lay.latent] *= gains
+    rows = pack.pack(latent, key.kv_layout, key.written_format)  # [S, row], uint8 (fp8) or bf16
     tokens = (TOKENS_GPU if device.type == "cuda" else TOKENS_CPU)[key.phase]
     indices = torch.randint(0, num_slots, (tokens, key.topk), generator=gen, dtype=torch.int32, device=cpu)  # [T, topk]
     special = adversarial_ids(num_slots)[: key.topk]
@@ -138,11 +139,11 @@ def _case(key: CheckKey, device: torch.device) -> dict[str, Any]:
     topk_length = torch.full((tokens,), key.topk, dtype=torch.int32, device=cpu)
     if tokens > 1:
         topk_length[1] = max(1, key.topk // 3)
-    q = torch.randn(tokens, key.num_heads, layout.HEAD_DIM, generator=gen, dtype=torch.float32, device=cpu)  # [T, H, 576]
+    q = torch.randn(tokens, key.num_heads, lay.head_dim, generator=gen, dtype=torch.float32, device=cpu)  # [T, H, D]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[key.q_dtype]
     return dict(q=q.to(dtype=dtype, device=device), kv_cache=pack.page_view(rows).to(device),  # [P, 64, C]
                 indices=indices.to(device), topk_length=topk_length.to(device),
-                sm_scale=layout.HEAD_DIM**-0.5, kv_layout=key.kv_layout)
+                sm_scale=lay.head_dim**-0.5, kv_layout=key.kv_layout)
 
 
 @contextlib.contextmanager
@@ -205,7 +206,7 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str,
 
     :param kernel: the bound kernel.
     :param phase: "decode" or "prefill" (sets the number of tokens).
-    :param kv_layout: "fp8_ds_mla" or "bf16".
+    :param kv_layout: any layout of ``layout.KV_LAYOUTS``.
     :param scale_format: the scale format the kernel is told ("pow2" or "arbitrary").
     :param num_heads: heads per rank.
     :param topk: the index top-k.
@@ -256,9 +257,10 @@ def verify(decision: Any, kernels: dict[str, BoundKernel], *, q_dtype: str, devi
     chosen: dict[str, BoundKernel] = {}
     parts: list[str] = []
     # A kernel told "arbitrary" must also read power-of-two scales right: vLLM 0.33's DSA cache
-    # writer stores pow2 scales for every model, GLM included. One told "pow2" reads only pow2.
+    # writer stores pow2 scales for every model, GLM included, and GLM-5.3-Flash's rope-less rows
+    # (concat_and_cache_mla) may hold either. One told "pow2" reads only pow2.
     written = [decision.scale_format]
-    if ctx.kv_cache_dtype == layout.FP8_DS_MLA and decision.scale_format == layout.SCALE_ARBITRARY:
+    if ctx.kv_cache_dtype in layout.FP8_LAYOUTS and decision.scale_format == layout.SCALE_ARBITRARY:
         written.append(layout.SCALE_POW2)
 
     def run(kernel: BoundKernel, phase: str) -> CheckResult:

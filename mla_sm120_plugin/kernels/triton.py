@@ -1,4 +1,5 @@
-"""Portable (exact) Triton sparse-MLA kernel: reads fp8_ds_mla or bf16 pages directly, dequantizes
+"""Portable (exact) Triton sparse-MLA kernel: reads every cache layout of :mod:`.layout` (fp8 rows
+with or without a rope part, 656 or 528 bytes; bf16 rows of 576 or 512) directly, dequantizes
 in-kernel. Its fp8-MMA sibling, :mod:`.triton_fast`, shares the launch machinery below.
 
 Same semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla` (FACTS.md section 4).
@@ -20,10 +21,10 @@ on the previous iteration and Triton's pipeliner issues them as asynchronous cop
 comes from a host-computed multiply-shift (:func:`page_divisor`), not a runtime division.
 
 Registers. The 576-wide head is never held whole: the scores are summed over the four 128-wide
-latent tiles plus the 64-wide rope tile, and the output is four ``[BLOCK_H, 128]`` fp32
-accumulators. q is *not* kept in registers across the loop: a 16-row slab of a 576-wide bf16 q
-is 144 registers per thread in every warp that multiplies with it, which is what made the first
-version spill. Each step reloads its q tile (from L1; the cache bytes dominate the traffic), and
+latent tiles plus the 64-wide rope tile (none for a rope-less layout), and the output is four
+``[BLOCK_H, 128]`` fp32 accumulators. q is *not* kept in registers across the loop: a 16-row slab
+of a 576-wide bf16 q is 144 registers per thread in every warp that multiplies with it, which is
+what made the first version spill. Each step reloads its q tile (from L1; the cache bytes dominate the traffic), and
 the value tiles are loaded apart from the (transposed) key tiles (the same bytes, an L2 hit)
 instead of keeping a ``BLOCK_K`` x 512 key block live through the softmax.
 
@@ -37,9 +38,15 @@ work there, but a ``tl.dot`` on bfloat16 operands does not (it multiplies raw bi
 interpreter path (``DOT_BF16=False``) widens the operands to fp32 instead; and the interpreter's
 fp32 -> bfloat16 cast truncates where a GPU rounds to nearest even (one bf16 ulp at most).
 
-Variants. The constexpr parameters are the cache layout, final/split, ``BLOCK_H``, ``BLOCK_K``
-and ``DOT_BF16``; the output's dtype is its pointer type (q is bf16 on a GPU). Whether ``topk_length``,
-``sink`` and the LSE are used is decided by runtime scalars (never specialized), so they do not
+Layouts. What a kernel needs of a layout is data (:func:`layout_constexprs`): whether the latent
+is fp8 (``IS_FP8``), the rope width (``ROPE``: 64, or 0 for GLM-5.3-Flash's rope-less rows, which
+drops the rope tile from the code) and where the rope starts (``ROPE_OFF``); the row stride is the
+cache tensor's own (656- and 528-byte fp8 rows, and any page-strided view, run the same code), and
+reserved bytes (``fp8_ds_mla_nope``'s [528, 656)) are never loaded.
+
+Variants. The constexpr parameters are the layout's (``IS_FP8``, ``ROPE``, ``ROPE_OFF``),
+final/split, ``BLOCK_H``, ``BLOCK_K`` and ``DOT_BF16``; the output's dtype is its pointer type (q
+is bf16 on a GPU). Whether ``topk_length``, ``sink`` and the LSE are used is decided by runtime scalars (never specialized), so they do not
 multiply the compiled variants. :mod:`mla_sm120_plugin.kernels.compile_gate` compiles every variant
 :func:`launch_config` can pick, for sm_120a, sm_121a and sm_90a, without a GPU.
 """
@@ -62,12 +69,11 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)  # the same constant, visible inside kernels
 
-# Layout constants the kernels see, from the one source in layout.py.
+# What the kernels' structure assumes of every layout (checked per call by layout_constexprs):
+# a 512-wide latent in four 128-wide tiles (four accumulators), and fp8 tile scales right after it.
 _NOPE: tl.constexpr = tl.constexpr(layout.KV_LORA_RANK)
 _TILE: tl.constexpr = tl.constexpr(layout.FP8_TILE)
-_ROPE: tl.constexpr = tl.constexpr(layout.ROPE_DIM)
 _SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
-_ROPE_OFF_FP8: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET)
 
 # Arguments Triton must not specialize on (it compiles a separate variant for every int equal to 1
 # or divisible by 16): the runtime flags and their strides, and sizes that are only compared,
@@ -105,6 +111,22 @@ def launch_config(num_tokens: int, num_heads: int, topk: int, family: str = plan
     """The exact kernel's config for one call, from :func:`.triton_plan.launch_config`'s table
     (deterministic: no autotuning at serve time). Few tokens get several splits, many get one."""
     return plan.launch_config(plan.EXACT.name, num_tokens, num_heads, topk, family)
+
+
+def layout_constexprs(kv_layout: str) -> dict:
+    """The constexpr arguments a kernel takes from the layout ``kv_layout`` (its data, never a
+    per-layout branch): ``IS_FP8``, ``ROPE`` (rope width, 0 for a rope-less layout) and ``ROPE_OFF``
+    (where the rope starts: a byte offset in fp8 rows, an element offset in bf16 rows).
+
+    :raises ValueError: a layout the kernels' structure cannot read (a latent other than four
+        128-wide tiles with the scales right after it, or a rope width that is not a power of two).
+    """
+    lay = layout.get(kv_layout)
+    if (lay.latent != layout.KV_LORA_RANK or (lay.fp8 and lay.scale_offset != layout.FP8_SCALE_OFFSET)
+            or (lay.rope and lay.rope & (lay.rope - 1))):
+        raise ValueError(f"the Triton kernels read a {layout.KV_LORA_RANK}-wide latent in {layout.FP8_TILE}-wide tiles, "
+                         f"scales at byte {layout.FP8_SCALE_OFFSET}, and a power-of-two rope; {lay} is not that")
+    return dict(IS_FP8=lay.fp8, ROPE=lay.rope, ROPE_OFF=lay.rope_offset if lay.rope else 0)
 
 
 def launch_variants() -> list[LaunchConfig]:
@@ -161,13 +183,24 @@ def _row_offset(slot, page_magic, page_shift, page_size, page_stride, row_stride
 
 
 @triton.jit
-def _scale(kv_f32_ptr, row_off, valid, tile: tl.constexpr, IS_FP8: tl.constexpr):
-    """The fp32 scale of latent tile ``tile`` for each candidate ([BLOCK_K]); 1 for bf16 caches."""
+def _tile_scales(kv_f32_ptr, row_off, valid, IS_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 scales of the four latent tiles for each candidate (four [BLOCK_K]); 1 for bf16 caches.
+
+    One 16-byte gather a row ([BLOCK_K, 4]) split into columns, not four 4-byte gathers: fewer
+    loads, and fewer live addresses (the rope-less variant spilled 20 bytes on sm_120a with four).
+    """
     if IS_FP8:
-        sc = tl.load(kv_f32_ptr + (row_off + _SCALE_OFF) // 4 + tile, mask=valid, other=0.0)
+        sc = tl.load(kv_f32_ptr + ((row_off + _SCALE_OFF) // 4)[:, None] + tl.arange(0, 4)[None, :],
+                     mask=valid[:, None], other=0.0)  # [BLOCK_K, 4]
+        even, odd = tl.split(tl.reshape(sc, [BLOCK_K, 2, 2]))  # tiles (0, 2) and (1, 3)
+        sc0, sc2 = tl.split(even)
+        sc1, sc3 = tl.split(odd)
     else:
-        sc = tl.where(valid, 1.0, 0.0)
-    return sc
+        sc0 = tl.where(valid, 1.0, 0.0)
+        sc1 = sc0
+        sc2 = sc0
+        sc3 = sc0
+    return sc0, sc1, sc2, sc3
 
 
 @triton.jit
@@ -211,14 +244,17 @@ def _sparse_mla_kernel(
     out_ptr, out_stride_t, out_stride_s, out_stride_h,
     lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h, write_lse, lse_scale,
     num_heads, qk_scale_log2, blocks_per_split,
-    IS_FP8: tl.constexpr, FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
+    IS_FP8: tl.constexpr, ROPE: tl.constexpr, ROPE_OFF: tl.constexpr,
+    FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (token, head block, split) program. FINAL: write the output (one split) or partials.
 
     Cache offsets (``page_stride``, ``row_stride``, the per-candidate ``row_off``) are in elements
-    of ``kv_ptr``: bytes of a uint8 fp8_ds_mla cache, read through three typed views of the same
-    pointer (fp8 latent, fp32 scales, bf16 rope), or elements of a bfloat16 cache. A slot's page is
+    of ``kv_ptr``: bytes of a uint8 fp8 cache, read through three typed views of the same pointer
+    (fp8 latent, fp32 scales, bf16 rope), or elements of a bfloat16 cache. ``ROPE`` (0 or the rope
+    width) and ``ROPE_OFF`` come from the layout (:func:`layout_constexprs`); with ``ROPE == 0`` the
+    scores are the latent tiles' alone and no rope byte is loaded. A slot's page is
     ``slot * page_magic >> page_shift`` (:func:`page_divisor`).
 
     Each step loads the next step's slot ids, so every row address of a step is known one
@@ -241,7 +277,6 @@ def _sparse_mla_kernel(
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
     col = tl.arange(0, _TILE)
-    rope_col = tl.arange(0, _ROPE)
     q_row = tok * q_stride_t
 
     length = topk
@@ -265,10 +300,7 @@ def _sparse_mla_kernel(
         pos += BLOCK_K
         next_slot = _slot_ids(idx_ptr, tok * idx_stride_t, pos, length)  # one step ahead, by hand
 
-        sc0 = _scale(kv_f32, row_off, valid, 0, IS_FP8)
-        sc1 = _scale(kv_f32, row_off, valid, 1, IS_FP8)
-        sc2 = _scale(kv_f32, row_off, valid, 2, IS_FP8)
-        sc3 = _scale(kv_f32, row_off, valid, 3, IS_FP8)
+        sc0, sc1, sc2, sc3 = _tile_scales(kv_f32, row_off, valid, IS_FP8, BLOCK_K)
         s = _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col),
                  _kv_tile_t(kv_lat, row_off, valid, col), DOT_BF16) * sc0[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE),
@@ -277,11 +309,13 @@ def _sparse_mla_kernel(
                   _kv_tile_t(kv_lat, row_off, valid, col + 2 * _TILE), DOT_BF16) * sc2[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE),
                   _kv_tile_t(kv_lat, row_off, valid, col + 3 * _TILE), DOT_BF16) * sc3[None, :]
-        if IS_FP8:
-            rope = _kv_tile(kv_rope, (row_off + _ROPE_OFF_FP8) // 2, valid, rope_col)
-        else:
-            rope = _kv_tile(kv_rope, row_off + _NOPE, valid, rope_col)
-        s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, rope_col + _NOPE), tl.trans(rope), DOT_BF16)
+        if ROPE > 0:  # a rope-less layout (GLM-5.3-Flash) has no rope tile: not even its code
+            rope_col = tl.arange(0, ROPE)
+            if IS_FP8:
+                rope = _kv_tile(kv_rope, (row_off + ROPE_OFF) // 2, valid, rope_col)
+            else:
+                rope = _kv_tile(kv_rope, row_off + ROPE_OFF, valid, rope_col)
+            s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, rope_col + _NOPE), tl.trans(rope), DOT_BF16)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K], base 2
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -381,10 +415,14 @@ def triton_sparse_mla(
 
     Trusts its inputs: :func:`mla_sm120_plugin.kernels.sparse_mla_forward` validates them.
 
-    q: [T, H, 576], bfloat16 or float32, last dim contiguous
-    kv_cache: [P, page_size, 656] uint8 (fp8_ds_mla) or [P, page_size, 576] bfloat16 (bf16);
-        [num_slots, width] flat and page-strided views work too (last dim contiguous; for
-        fp8_ds_mla the byte offset and strides are multiples of 4, for the fp32 scales)
+    The contract (every argument's shape and dtype, per layout) is
+    :func:`mla_sm120_plugin.kernels.sparse_mla_forward`'s; in short:
+
+    q: [T, H, layout.head_dim] (576, or 512 for a rope-less layout), bfloat16 or float32, last dim
+        contiguous
+    kv_cache: [P, page_size, layout.row] in the layout's dtype (uint8 for fp8 layouts: 656- or
+        528-byte rows); [num_slots, row] flat and page-strided views work too (last dim contiguous;
+        for fp8 layouts the byte offset and strides are multiples of 4, for the fp32 scales)
     indices: [T, topk], int32, global slots (page * page_size + row), -1 padded
     topk_length: [T], int32, any stride, optional; positions >= topk_length[t] are invalid
     sink: [H], float32, any stride, optional; out *= 1 / (1 + exp(sink - lse))
@@ -475,8 +513,8 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         # The GPU dot rounds q to bfloat16 anyway; converting first halves the q traffic and the
         # registers, and leaves one q dtype to compile. out keeps the caller's dtype.
         q = q.to(torch.bfloat16)
-    # fp8_ds_mla offsets are bytes; the validator guarantees the 4-byte alignment of every token
-    # that the kernel's fp32 view of the scales needs.
+    # fp8 offsets are bytes; the validator guarantees the 4-byte alignment of every token that the
+    # kernel's fp32 view of the scales needs.
     page_size, page_stride, row_stride = _cache_geometry(kv_cache)
     has_len, has_sink = topk_length is not None, sink is not None
     lse_scale = 1.0 if lse_base == "2" else _LN2
@@ -503,7 +541,7 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
             dest_lse, *dest_lse_strides, int(not final or lse is not None), lse_scale if final else 1.0,
             num_heads, float(sm_scale) * _LOG2E, cfg.blocks_per_split,
         ),
-        constexprs=dict(IS_FP8=kv_layout == layout.FP8_DS_MLA, FINAL=final, DOT_BF16=not interpret,
+        constexprs=dict(**layout_constexprs(kv_layout), FINAL=final, DOT_BF16=not interpret,
                         BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

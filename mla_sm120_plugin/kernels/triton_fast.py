@@ -1,8 +1,12 @@
-"""Fast Triton sparse-MLA kernel for the ``fp8_ds_mla`` cache: fp8 MMAs on the cache's own e4m3 bytes.
+"""Fast Triton sparse-MLA kernel for the fp8 caches: fp8 MMAs on the cache's own e4m3 bytes.
 
-Same contract as :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (its docstring, and
-``sparse_mla_forward``'s, describe every argument); only the numerics differ, by design. A bf16
-cache is delegated to that exact kernel.
+Same contract as :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (``sparse_mla_forward``'s
+docstring describes every argument); only the numerics differ, by design. It reads every fp8 layout
+of :mod:`.layout`: ``fp8_ds_mla`` (656-byte rows with a 64-wide bf16 rope) and the rope-less rows of
+GLM-5.3-Flash, ``fp8_ds_mla_nope`` (656 bytes, [528, 656) reserved, never loaded) and ``fp8_nope``
+(528 bytes); the row stride is the cache tensor's, the rope width a constexpr from the layout (the
+rope dot and q's rope tile are not in a rope-less variant's code). A bf16 cache (``bf16``,
+``bf16_nope``) is delegated to the exact kernel.
 
 Numerics (what FlashInfer's SM120 kernels do, written for Triton):
 
@@ -12,7 +16,8 @@ Numerics (what FlashInfer's SM120 kernels do, written for Triton):
 * The latent dots multiply the stored e4m3 key bytes as they are. The per-(token, tile) fp32 key
   scale - arbitrary (GLM) or a power of two (DeepSeek-V3.2), the kernel need not know which -
   multiplies the fp32 partial scores of its tile.
-* The 64-wide rope part stays a bf16 x bf16 dot (the cache stores it in bf16).
+* The 64-wide rope part, where the layout has one, stays a bf16 x bf16 dot (the cache stores it
+  in bf16).
 * For the value dots, each tile's fp32 value scale is folded into the probabilities, which are
   then quantized to e4m3 per (head, step) with a power-of-two scale chosen from an upper bound
   that costs no row reduction: ``max_j p[h, j] = exp2(rowmax(s) - m)`` (known from the online
@@ -43,8 +48,8 @@ fp8 MMA operand; the value tile is its own load of the same bytes (an L2 hit; DR
 once). A slot's page comes from a multiply-shift, not a runtime division (which alone cost
 enough registers to spill), and ``topk_length`` acts only through the slot-id load.
 
-Occupancy. 8 warps of 128 registers and 48.6 KB of shared memory: two CTAs per SM on sm_120a and
-sm_121a (65,536 registers, 100 KB of shared memory an SM). ptxas picks 128 registers itself (an
+Occupancy. 8 warps of 128 registers and 48.6 KB of shared memory (42.5 KB rope-less): two CTAs
+per SM on sm_120a and sm_121a (65,536 registers, 100 KB of shared memory an SM). ptxas picks 128 registers itself (an
 explicit ``maxnreg=128`` made it spill); :mod:`~mla_sm120_plugin.kernels.compile_gate` fails any
 variant that gets fewer than two CTAs an SM, spills, or runs its latent dots without QMMA.
 """
@@ -76,11 +81,10 @@ from mla_sm120_plugin.kernels.triton import _dot, _finalize, _row_offset, _slot_
 # torch emulation of its rounding to 1e-5.
 TOLERANCE = 0.15
 
+# The structure every fp8 layout shares (checked per call by triton.layout_constexprs).
 _NOPE: tl.constexpr = tl.constexpr(layout.KV_LORA_RANK)
 _TILE: tl.constexpr = tl.constexpr(layout.FP8_TILE)
-_ROPE: tl.constexpr = tl.constexpr(layout.ROPE_DIM)
 _SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
-_ROPE_OFF: tl.constexpr = tl.constexpr(layout.FP8_ROPE_OFFSET)
 _E4M3_MAX: tl.constexpr = tl.constexpr(layout.FP8_E4M3_MAX)
 _INV_E4M3_MAX: tl.constexpr = tl.constexpr(1.0 / layout.FP8_E4M3_MAX)
 _MX_BLOCK: tl.constexpr = tl.constexpr(32)  # elements one e8m0 block scale covers
@@ -173,11 +177,13 @@ def _fast_kernel(
     out_ptr, out_stride_t, out_stride_s, out_stride_h,
     lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h, write_lse, lse_scale,
     num_heads, qk_scale_log2, blocks_per_split,
+    ROPE: tl.constexpr, ROPE_OFF: tl.constexpr,
     FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (token, head block, split) program over a uint8 fp8_ds_mla cache (offsets in bytes;
-    pages found by :func:`~mla_sm120_plugin.kernels.triton.page_divisor`'s multiply-shift).
+    """One (token, head block, split) program over a uint8 fp8 cache (offsets in bytes; pages found
+    by :func:`~mla_sm120_plugin.kernels.triton.page_divisor`'s multiply-shift). ``ROPE`` (64, or 0
+    for a rope-less layout) and ``ROPE_OFF`` (the rope's byte offset) come from the layout.
 
     FINAL: write the output (one split) or normalized partials and their base-2 LSE.
     """
@@ -189,7 +195,6 @@ def _fast_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
     col = tl.arange(0, _TILE)
-    rope_col = tl.arange(0, _ROPE)
     q_row = tok * q_stride_t
     idx_row = tok * idx_stride_t
 
@@ -202,8 +207,10 @@ def _fast_kernel(
     q1, qe1 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE, BLOCK_H)
     q2, qe2 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE, BLOCK_H)
     q3, qe3 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE, BLOCK_H)
-    q_rope = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + (rope_col + _NOPE)[None, :],
-                     mask=h_mask[:, None], other=0.0)
+    if ROPE > 0:
+        rope_col = tl.arange(0, ROPE)
+        q_rope = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + (rope_col + _NOPE)[None, :],
+                         mask=h_mask[:, None], other=0.0)
     ones_k = tl.full([BLOCK_K, _TILE // _MX_BLOCK], _E8M0_ONE, tl.uint8)
     ones_v = tl.full([_TILE, BLOCK_K // _MX_BLOCK], _E8M0_ONE, tl.uint8)
 
@@ -233,9 +240,10 @@ def _fast_kernel(
         s += _tile_scores(q1, qe1, kv_lat, row_off, valid, col + _TILE, sc1, ones_k)
         s += _tile_scores(q2, qe2, kv_lat, row_off, valid, col + 2 * _TILE, sc2, ones_k)
         s += _tile_scores(q3, qe3, kv_lat, row_off, valid, col + 3 * _TILE, sc3, ones_k)
-        rope = tl.load(kv_rope + ((row_off + _ROPE_OFF) // 2)[:, None] + rope_col[None, :],
-                       mask=valid[:, None], other=0.0)
-        s += _dot(q_rope, tl.trans(rope), DOT_BF16)
+        if ROPE > 0:
+            rope = tl.load(kv_rope + ((row_off + ROPE_OFF) // 2)[:, None] + rope_col[None, :],
+                           mask=valid[:, None], other=0.0)
+            s += _dot(q_rope, tl.trans(rope), DOT_BF16)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K], base 2
 
         m_step = tl.max(s, axis=1)
@@ -286,7 +294,7 @@ def triton_sparse_mla_fast(
     return_lse: bool = False,
     lse_base: str = "e",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA with fp8 MMAs on the fp8_ds_mla cache's bytes (module docstring: numerics).
+    """Sparse MLA with fp8 MMAs on an fp8 cache's bytes (module docstring: numerics and layouts).
 
     Arguments, shapes, dtypes and return values: exactly those of
     :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (a bf16 cache is handed to it).
@@ -298,7 +306,7 @@ def triton_sparse_mla_fast(
 
 def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, lse, lse_base,
                 cfg: plan.LaunchConfig, interpret: bool) -> list[exact.Launch]:
-    """The launches that compute ``out`` (and ``lse`` when given) over an fp8_ds_mla cache.
+    """The launches that compute ``out`` (and ``lse`` when given) over an fp8 cache.
 
     One launch when ``cfg.num_splits == 1``; otherwise the split kernel into fresh
     ``cfg.partial_dtype`` partials, then the exact kernel's combine into ``out``.
@@ -308,6 +316,10 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
         # As in the exact kernel: q is quantized in-kernel anyway, and one q dtype halves the
         # compiled variants; out keeps the caller's dtype.
         q = q.to(torch.bfloat16)
+    rope = exact.layout_constexprs(kv_layout)
+    if not rope["IS_FP8"]:
+        raise ValueError(f"the fast kernel reads the fp8 layouts {layout.FP8_LAYOUTS}; {kv_layout!r} goes to the "
+                         "exact kernel (triton_sparse_mla_fast hands it over)")
     page_size, page_stride, row_stride = exact._cache_geometry(kv_cache)
     has_len, has_sink = topk_length is not None, sink is not None
     lse_scale = 1.0 if lse_base == "2" else math.log(2.0)
@@ -333,7 +345,8 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
             dest_lse, *dest_lse_strides, int(not final or lse is not None), lse_scale if final else 1.0,
             num_heads, float(sm_scale) * exact._LOG2E, cfg.blocks_per_split,
         ),
-        constexprs=dict(FINAL=final, DOT_BF16=not interpret, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
+        constexprs=dict(ROPE=rope["ROPE"], ROPE_OFF=rope["ROPE_OFF"], FINAL=final, DOT_BF16=not interpret,
+                        BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,
@@ -350,8 +363,8 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
          config: plan.LaunchConfig | None):
     """:func:`triton_sparse_mla_fast` with an optional forced :class:`~.triton_plan.LaunchConfig`;
-    a bf16 cache goes to the exact kernel."""
-    if kv_layout != layout.FP8_DS_MLA:
+    a bf16 cache (``bf16``, ``bf16_nope``) goes to the exact kernel."""
+    if not layout.get(kv_layout).fp8:
         return exact._run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
                           sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=config)
     return exact.run_plan(launch_plan, plan.FAST, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,

@@ -12,6 +12,10 @@ variant, read by :mod:`~mla_sm120_plugin.kernels.compile_gate` from the cubin (T
   fp32 partials (its numerics are the reference's to ~1e-6).
 * ``triton_sparse_mla_fast`` (fp8 MMAs): 16 x 32, 8 warps, 128 registers and 48.6 KB of shared
   memory, so 2 CTAs per SM on sm_120a/121a (and sm_90a); bf16 partials (within its tolerance).
+* The rope-less variants (GLM-5.3-Flash's ``fp8_ds_mla_nope`` / ``fp8_nope``, one compiled code):
+  exact 134 registers and 50.7 KB (1 CTA per SM on sm_120a/121a, 2 on sm_90a at 128 registers);
+  fast 128 registers and 42.5 KB (2 CTAs per SM, QMMA only: no rope dot). ``bf16_nope``: exact,
+  80 registers and 82.9 KB (1 CTA per SM on sm_120a/121a, by shared memory).
 
 Larger blocks (64 candidates, 32 heads) or 4 warps spill or fall to one CTA an SM on sm_120a, so
 only the split count is left to choose, and it is chosen per (arch family, heads bucket, token
@@ -29,12 +33,17 @@ bucket, top-k bucket) by one rule (:func:`choose_chunk`), evaluated once into :f
 3. Whole ``block_k`` steps per split, at most :data:`MAX_SPLITS` splits (the combine walks them all).
 
 The traffic model (:func:`traffic`) counts, from a launch plan, the bytes DRAM must move if nothing
-is reused across programs: cache rows once per (token, head block) - rows repeated across head
+is reused across programs, for any cache layout (:func:`row_bytes_read`: the bytes of a row the
+kernels load - 656 for ``fp8_ds_mla``, 528 for both rope-less fp8 rows, whose reserved bytes are
+never loaded, 1152 / 1024 for bf16 -, q as wide as the layout's ``head_dim``): cache rows once per
+(token, head block) - rows repeated across head
 blocks are L2 hits in practice, so this is an upper bound -, q once per program, the index ranges
 (plus the one step each split prefetches past its end), partials written and read back, and the
 output; the minimum is cache rows + q + indices + output once. At T=64, 4-16 heads, top-k 2048 the
 rule keeps the plan within 1.2x of the minimum; at T=1, 8-16 heads, its partials stay below the
-cache bytes.
+cache bytes. The table itself is chosen once per kernel and family on the ``fp8_ds_mla`` model (the
+DSA rows, the most common); a rope-less layout's rows are 20 % smaller, which moves no split count
+at the acceptance shapes (tests/kernels/test_traffic.py checks the bounds on every layout).
 """
 
 from __future__ import annotations
@@ -190,17 +199,25 @@ class Traffic:
                     partials_over_cache=round(self.partials / self.cache, 4))
 
 
+def row_bytes_read(kv_layout: str) -> int:
+    """Bytes of one cached row the kernels load: the row's used part (its latent, scales and rope),
+    not the reserved bytes after it (``fp8_ds_mla_nope``: 528 of its 656)."""
+    lay = layout.get(kv_layout)
+    return lay.used * (lay.token_bytes // lay.row)
+
+
 def traffic(cfg: LaunchConfig, num_tokens: int, num_heads: int, topk: int, *, q_bytes: int = 2,
             out_bytes: int = 2, kv_layout: str = layout.FP8_DS_MLA) -> Traffic:
-    """The bytes the launches of ``cfg`` move for a [T, H, 576] q and [T, topk] indices (every
-    candidate valid and distinct: the most a call can read)."""
-    token_bytes = layout.TOKEN_BYTES[kv_layout]
+    """The bytes the launches of ``cfg`` move for a [T, H, head_dim] q over a ``kv_layout`` cache
+    and [T, topk] indices (every candidate valid and distinct: the most a call can read)."""
+    lay = layout.get(kv_layout)
+    token_bytes = row_bytes_read(kv_layout)
     head_blocks = _cdiv(num_heads, cfg.block_h)
-    q_row = num_heads * layout.HEAD_DIM * q_bytes
-    out_row = num_heads * layout.KV_LORA_RANK * out_bytes
+    q_row = num_heads * lay.head_dim * q_bytes
+    out_row = num_heads * lay.latent * out_bytes
     split = cfg.num_splits > 1
     prefetch = cfg.num_splits * cfg.block_k * 4  # each split loads one step of ids past its range
-    partial_row = num_heads * (layout.KV_LORA_RANK * _PARTIAL_BYTES[cfg.partial_dtype] + 4)
+    partial_row = num_heads * (lay.latent * _PARTIAL_BYTES[cfg.partial_dtype] + 4)
     return Traffic(
         cache=num_tokens * head_blocks * topk * token_bytes,
         q=num_tokens * cfg.num_splits * q_row,
@@ -266,15 +283,18 @@ def launch_config(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
 
 
 def plan_report(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
-                family_name: str = DEFAULT_FAMILY, *, q_bytes: int = 2, out_bytes: int = 2) -> dict:
-    """The config a call gets and the traffic model of its launches (JSON-serializable)."""
+                family_name: str = DEFAULT_FAMILY, *, q_bytes: int = 2, out_bytes: int = 2,
+                kv_layout: str = layout.FP8_DS_MLA) -> dict:
+    """The config a call gets and the traffic model of its launches over a ``kv_layout`` cache
+    (JSON-serializable)."""
     cfg = launch_config(kernel_name, num_tokens, num_heads, topk, family_name)
     _, why = table(kernel_name, family_name)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
                                               _bucket(topk, TOPK_BUCKETS))]
     return dict(kernel=kernel_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads, topk=topk,
                 num_splits=cfg.num_splits, chunk=cfg.blocks_per_split * cfg.block_k, block_h=cfg.block_h,
-                block_k=cfg.block_k, partial_dtype=cfg.partial_dtype, reason=why,
-                traffic=traffic(cfg, num_tokens, num_heads, topk, q_bytes=q_bytes, out_bytes=out_bytes).as_dict())
+                block_k=cfg.block_k, partial_dtype=cfg.partial_dtype, reason=why, kv_layout=kv_layout,
+                traffic=traffic(cfg, num_tokens, num_heads, topk, q_bytes=q_bytes, out_bytes=out_bytes,
+                                kv_layout=kv_layout).as_dict())
 
 
 # The shapes the issue's acceptance names: (tokens, heads, top-k).

@@ -1,4 +1,4 @@
-"""Kernel-test helpers: random caches in either layout, on the test device (helpers.DEVICE: CUDA
+"""Kernel-test helpers: random caches in any layout of ``layout.LAYOUTS``, on the test device (helpers.DEVICE: CUDA
 when present, else the CPU, where tests/conftest.py has set TRITON_INTERPRET)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from mla_sm120_plugin.kernels import layout, pack
 
 @dataclass
 class Case:
-    q: torch.Tensor  # [T, H, 576]
+    q: torch.Tensor  # [T, H, D], D = the layout's head_dim (576, or 512 rope-less)
     kv_cache: torch.Tensor  # [P, page, W] (maybe a page-strided view)
     indices: torch.Tensor  # [T, topk] int32
     sm_scale: float
     kv_layout: str
-    latent: torch.Tensor  # [P * page, 576] fp32, what was written (before quantization)
+    latent: torch.Tensor  # [P * page, D] fp32, what was written (before quantization)
 
     @property
     def num_slots(self) -> int:
@@ -53,29 +53,28 @@ def build_case(
 ) -> Case:
     """Random unit-scale tokens in every slot, random candidates with -1 and out-of-range ids.
 
+    q and the cached tokens are as wide as the layout's ``head_dim``; the cache is written by
+    :func:`pack.pack` (``scale_format`` for fp8 layouts) and ``sm_scale`` is ``head_dim ** -0.5``.
     Built on the CPU from a seeded generator (the same values on every machine), then moved to
     ``device``."""
+    lay = layout.get(kv_layout)
     gen = torch.Generator().manual_seed(seed)
     num_slots = num_pages * page_size
     # Tiles of different magnitudes, so a wrong per-tile scale shows.
     tile_gain = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat_interleave(layout.FP8_TILE)
-    latent = torch.randn(num_slots, layout.HEAD_DIM, generator=gen)
-    latent[:, : layout.KV_LORA_RANK] *= tile_gain
+    latent = torch.randn(num_slots, lay.head_dim, generator=gen)
+    latent[:, : lay.latent] *= tile_gain
     cache = paged_cache(num_pages, kv_layout, page_size, page_pad)
-    if kv_layout == layout.FP8_DS_MLA:
-        tokens = pack.quantize_fp8_ds_mla(latent, scale_format)
-    else:
-        tokens = pack.pack_bf16(latent)
-    pack.write_to_cache(cache, tokens, torch.arange(num_slots), page_size)
+    pack.write_to_cache(cache, pack.pack(latent, kv_layout, scale_format), torch.arange(num_slots), page_size)
 
     indices = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int32)
     drop = torch.rand(num_tokens, topk, generator=gen) < invalid_fraction
     junk = torch.where(torch.rand(num_tokens, topk, generator=gen) < 0.5, -1, num_slots + 7)
     indices = torch.where(drop, junk.to(torch.int32), indices)
-    q = torch.randn(num_tokens, num_heads, layout.HEAD_DIM, generator=gen).to(q_dtype)
+    q = torch.randn(num_tokens, num_heads, lay.head_dim, generator=gen).to(q_dtype)
     if device != "cpu":
         cache = _moved_view(cache, device)
-    return Case(q.to(device), cache, indices.to(device), layout.HEAD_DIM**-0.5, kv_layout, latent.to(device))
+    return Case(q.to(device), cache, indices.to(device), lay.head_dim**-0.5, kv_layout, latent.to(device))
 
 
 def _moved_view(view: torch.Tensor, device: str) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """The compile gate: every Triton variant the dispatcher can launch compiles for sm_120a, sm_121a
 and sm_90a on this CPU-only machine, without spills and within the shared memory of a block; the
-fast fp8 variants run fp8 MMAs (QMMA) with two CTAs per SM on sm_120a/121a.
+fast fp8 variants run fp8 MMAs (QMMA) with two CTAs per SM on sm_120a/121a. Every cache layout is
+in it, GLM-5.3-Flash's rope-less ones included (a variant's ``cache`` names every layout it serves:
+the 656- and 528-byte rope-less fp8 rows are one compiled variant).
 
 The interpreter runs kernels as Python (both branches of a constexpr ``if``, no register
 allocation), so this is the test that sees what a real GPU would: compile errors, spills, shared
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import clean_env, run_cli
-from mla_sm120_plugin.kernels import compile_gate
+from mla_sm120_plugin.kernels import compile_gate, layout
 from mla_sm120_plugin.kernels import triton as tk
 from mla_sm120_plugin.kernels import triton_plan as plan
 
@@ -38,9 +40,16 @@ def test_every_variant_compiles_without_spills_within_shared_memory(gate):
     assert gate["gate_passed"], gate["gate_failures"]
 
 
+def _caches(v) -> list[str]:
+    """The layouts a variant serves (``fp8_ds_mla_nope+fp8_nope``: one compiled code for both)."""
+    return v["cache"].split("+")
+
+
 def _fast(gate):
     rows = [v for v in gate["variants"] if v["kernel"] == compile_gate.FAST_KERNEL]
-    assert len(rows) == 3, [v["variant"] for v in gate["variants"]]  # final bf16/fp32 out, split
+    # final bf16/fp32 out and split, for the DSA rows and for the rope-less rows (one code for both)
+    assert len(rows) == 6, [v["variant"] for v in gate["variants"]]
+    assert sorted({c for v in rows for c in _caches(v)}) == sorted(layout.FP8_LAYOUTS)
     return rows
 
 
@@ -49,8 +58,10 @@ def test_fast_variants_run_fp8_mmas_with_two_ctas_per_sm(gate):
         kinds = set(v["mma"])
         if gate["arch"] in compile_gate.FP8_MMA_ARCHES:
             # Every latent dot is the block-scaled fp8 MMA (full rate on GeForce); only the rope dot
-            # is bf16.
+            # is bf16, and a rope-less variant has none.
             assert {k for k in kinds if k.startswith("QMMA")} == {"QMMA.SF.16832.F32.E4M3.E4M3.E8"}, v["mma"]
+            rope = any(layout.get(c).rope for c in _caches(v))
+            assert any(k.startswith("HMMA") for k in kinds) == rope, v["mma"]
             assert v["ctas_per_sm"] >= compile_gate.MIN_FAST_CTAS_PER_SM, v
         else:  # sm_90a has no fp8 mma.sync: Triton widens the fp8 operands (emulated, same values)
             assert not any(k.startswith("QMMA") for k in kinds) and any(k.startswith("HMMA") for k in kinds), v
@@ -70,7 +81,7 @@ def test_the_plan_assumes_no_more_ctas_per_sm_than_compiled(gate):
     family = plan.family_of(gate["arch"] // 10, gate["arch"] % 10)
     for kernel, shape in (("sparse_mla", plan.EXACT), (compile_gate.FAST_KERNEL, plan.FAST)):
         rows = [v for v in gate["variants"]
-                if v["kernel"] == kernel and (kernel != "sparse_mla" or v["cache"] == "fp8_ds_mla")]
+                if v["kernel"] == kernel and (kernel != "sparse_mla" or layout.get(_caches(v)[0]).fp8)]
         assert rows and min(v["ctas_per_sm"] for v in rows) >= shape.ctas_per_sm[family], rows
 
 
@@ -101,20 +112,29 @@ def test_ctas_per_sm_takes_the_tightest_limit():
     assert compile_gate.ctas_per_sm(90, 128, 8, 48_640) == (2, "registers")
 
 
+def _variant(kernel: str, cache: str, out: str, final: int, cfg) -> str:
+    """A variant's text with its cache field as ``{}``."""
+    cap = "" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"
+    return (f"kernel={kernel} q=bf16 cache={{}} out={out} final={final} block_h={cfg.block_h} "
+            f"block_k={cfg.block_k} warps={cfg.num_warps} stages={cfg.num_stages}{cap}")
+
+
 def test_variants_cover_every_launch_the_dispatcher_makes(gate):
     texts = {v["variant"] for v in gate["variants"]}
-    for cache in ("fp8_ds_mla", "bf16"):
+    served = {}  # variant text with its cache field as {} -> the layouts it serves
+    for v in gate["variants"]:
+        if "cache" in v:
+            served.setdefault(v["variant"].replace(f"cache={v['cache']} ", "cache={} "), set()).update(_caches(v))
+    for cache in layout.KV_LAYOUTS:  # every layout, the rope-less ones included
         for out, final in (("bf16", 1), ("fp32", 1), ("fp32", 0)):
             for cfg in tk.launch_variants():
                 if int(cfg.num_splits == 1) != final:
                     continue
-                assert (f"kernel=sparse_mla q=bf16 cache={cache} out={out} final={final} block_h={cfg.block_h} "
-                        f"block_k={cfg.block_k} warps={cfg.num_warps} stages={cfg.num_stages}") in texts
-    fast = plan.FAST
-    for out, final in (("bf16", 1), ("fp32", 1), ("bf16", 0)):  # split partials are bf16
-        cap = "" if fast.maxnreg is None else f" maxnreg={fast.maxnreg}"
-        assert (f"kernel=sparse_mla_fast q=bf16 cache=fp8_ds_mla out={out} final={final} block_h={fast.block_h} "
-                f"block_k={fast.block_k} warps={fast.num_warps} stages={fast.num_stages}{cap}") in texts
+                assert cache in served.get(_variant("sparse_mla", cache, out, final, cfg), ()), (cache, out, final)
+    for cache in layout.FP8_LAYOUTS:
+        for out, final in (("bf16", 1), ("fp32", 1), ("bf16", 0)):  # split partials are bf16
+            assert cache in served.get(_variant("sparse_mla_fast", cache, out, final, plan.FAST.config()), ()), \
+                (cache, out, final)
     for part, out in (("fp32", "bf16"), ("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
         assert any(t.startswith(f"kernel=combine part={part} out={out} ") for t in texts), texts
 

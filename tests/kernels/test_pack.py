@@ -1,4 +1,5 @@
-"""Byte-level checks of the fp8_ds_mla / bf16 packers and the paged-cache writer."""
+"""Byte-level checks of the fp8_ds_mla / bf16 packers and the paged-cache writer (the rope-less
+layouts' bytes: test_nope.py)."""
 
 from __future__ import annotations
 
@@ -139,8 +140,8 @@ def test_bad_inputs_raise_kernel_input_error():
 def test_write_to_cache_puts_each_token_at_its_page_and_row(kv_layout, page_pad, make_paged_cache):
     page_size, num_pages = 8, 4
     cache = make_paged_cache(num_pages, kv_layout, page_size, page_pad)
-    latent = _latent(4)
-    tokens = pack.quantize_fp8_ds_mla(latent, "pow2") if kv_layout == layout.FP8_DS_MLA else pack.pack_bf16(latent)
+    latent = _latent(4)[:, : layout.get(kv_layout).head_dim]  # the rope-less layouts take the latent alone
+    tokens = pack.pack(latent, kv_layout, "pow2")
     slots = torch.tensor([0, 13, -1, 31])  # page 0 row 0, page 1 row 5, padding, page 3 row 7
     pack.write_to_cache(cache, tokens, slots, page_size)
     assert torch.equal(cache[0, 0], tokens[0])

@@ -104,7 +104,7 @@ def test_invalid_slots_are_never_read(make_case, kv_layout):
     case.indices[idx == 0] = -1
     poisoned = case.kv_cache.clone()
     rows = poisoned.view(-1, poisoned.shape[-1])[~referenced]
-    if kv_layout == layout.FP8_DS_MLA:
+    if layout.get(kv_layout).fp8:
         rows[:, : layout.KV_LORA_RANK] = 0x7F  # fp8 e4m3 NaN
         rows[:, layout.FP8_SCALE_OFFSET : layout.FP8_ROPE_OFFSET] = 0xFF  # fp32 NaN
     else:

@@ -11,7 +11,9 @@ from mla_sm120_plugin.kernels import layout, selfcheck
 from mla_sm120_plugin.kernels.binding import bind
 from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
 
-CASES = [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY), (layout.FP8_DS_MLA, layout.SCALE_POW2), (layout.BF16, layout.SCALE_ARBITRARY)]
+CASES = [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY), (layout.FP8_DS_MLA, layout.SCALE_POW2), (layout.BF16, layout.SCALE_ARBITRARY),
+         # GLM-5.3-Flash's rope-less rows: SGLang's packed fp8 (pow2-written here) and bf16
+         ("fp8_nope", layout.SCALE_POW2), ("bf16_nope", layout.SCALE_ARBITRARY)]
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
@@ -25,6 +27,37 @@ def test_builtin_kernels_pass_here(kernel, kv_layout, scale_format, phase):
     again = selfcheck.check(bind(kernel), phase=phase, kv_layout=kv_layout, scale_format=scale_format,
                             num_heads=5, topk=100, device=DEVICE)
     assert again is result, "one check per key and process"
+
+
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
+def test_the_case_is_the_layouts_own_and_ignores_the_engines_defaults(kv_layout):
+    """Built inside what vLLM builds the impl under (a default device and dtype: meta and bf16 here),
+    the case is the same CPU tensors: q as wide as the layout's head_dim, rows of its width and dtype
+    with its reserved bytes zero, 64-row pages, the adversarial lead of token 0."""
+    import torch
+
+    from mla_sm120_plugin.kernels import pack
+
+    key = selfcheck.CheckKey(TRITON, "decode", kv_layout, "arbitrary", "pow2", 5, 100, "bf16", "cpu")
+    plain = selfcheck._case(key, torch.device("cpu"))
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            inside = selfcheck._case(key, torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(dtype)
+    lay = layout.get(kv_layout)
+    num_slots = selfcheck.NUM_PAGES * layout.PAGE_SIZE
+    assert inside["q"].shape == (2, 5, lay.head_dim) and inside["q"].dtype == torch.bfloat16
+    assert inside["kv_cache"].shape == (selfcheck.NUM_PAGES, layout.PAGE_SIZE, lay.row)
+    assert inside["kv_cache"].dtype == pack.cache_dtype(kv_layout)
+    assert inside["sm_scale"] == lay.head_dim**-0.5
+    assert inside["indices"][0, :4].tolist() == list(selfcheck.adversarial_ids(num_slots))
+    for name in ("q", "kv_cache", "indices", "topk_length"):
+        assert inside[name].device.type == "cpu" and torch.equal(inside[name], plain[name]), name
+    if lay.fp8 and lay.row > lay.used:
+        assert torch.all(inside["kv_cache"][..., lay.used:] == 0)
 
 
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)

@@ -22,21 +22,23 @@ KERNELS = list(plan.KERNELS)
 FAMILIES = list(plan.FAMILIES)
 
 
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads", [4, 8, 16])
-def test_t64_stays_within_a_quarter_of_the_minimum(kernel, family, heads):
-    report = plan.plan_report(kernel, 64, heads, 2048, family)
+def test_t64_stays_within_a_quarter_of_the_minimum(kernel, family, heads, kv_layout):
+    report = plan.plan_report(kernel, 64, heads, 2048, family, kv_layout=kv_layout)
     if family == "sm120":  # the shape does split there (64 programs < 170 SMs), so the bound is not trivial
         assert report["num_splits"] > 1, report
     assert report["traffic"]["ratio"] <= 1.25, report
 
 
+@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads", [8, 16])
-def test_t1_partials_are_no_more_bytes_than_the_cache_rows(kernel, family, heads):
-    report = plan.plan_report(kernel, 1, heads, 2048, family)
+def test_t1_partials_are_no_more_bytes_than_the_cache_rows(kernel, family, heads, kv_layout):
+    report = plan.plan_report(kernel, 1, heads, 2048, family, kv_layout=kv_layout)
     assert report["num_splits"] > 1, report
     assert report["traffic"]["partials"] <= report["traffic"]["cache"], report
 
@@ -54,6 +56,21 @@ def test_the_model_counts_what_a_hand_count_gives():
     # Several head blocks read the rows once each; one split moves no partials.
     assert plan.traffic(plan.EXACT.config(1, 64), 2, 40, 2048).cache == 2 * 3 * 2048 * 656
     assert plan.traffic(plan.EXACT.config(1, 64), 2, 40, 2048).partials == 0
+
+
+def test_rope_less_rows_count_the_bytes_a_kernel_loads():
+    """GLM-5.3-Flash at T=1, 16 heads, vLLM's 2176-wide rows: a rope-less fp8 row is 528 bytes read
+    whether stored in 656 (the reserved tail is never loaded) or 528; q is 512 wide."""
+    cfg = plan.FAST.config(22, 4)
+    for kv_layout in ("fp8_ds_mla_nope", "fp8_nope"):
+        t = plan.traffic(cfg, 1, 16, 2176, kv_layout=kv_layout)
+        assert plan.row_bytes_read(kv_layout) == 528
+        assert t.cache == 2176 * 528
+        assert t.q == 22 * 16 * 512 * 2
+        assert t.minimum == 2176 * 528 + 16 * 512 * 2 + 2176 * 4 + 16 * 512 * 2
+    assert plan.traffic(cfg, 1, 16, 2176, kv_layout="bf16_nope").cache == 2176 * 512 * 2
+    assert plan.row_bytes_read(layout.FP8_DS_MLA) == 656 and plan.row_bytes_read(layout.BF16) == 1152
+    assert plan.plan_report(plan.FAST.name, 1, 16, 2176, kv_layout="fp8_nope")["kv_layout"] == "fp8_nope"
 
 
 def test_the_model_is_the_launch_plans_own_arithmetic():

@@ -58,10 +58,15 @@ def _assert_matches(got, ref):
     assert_kernel_close(lse, ref_lse)
 
 
-@pytest.mark.parametrize("q_dtype", Q_DTYPES)
-@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
+# Every layout with bf16 q (what the engines pass); fp32 q for the DSA layouts only: the q path is
+# the same code for every layout (the rope-less ones differ in q's width, which bf16 q covers).
+LAYOUTS_AND_Q = [(kv, q) for kv in layout.KV_LAYOUTS for q in Q_DTYPES
+                 if q == torch.bfloat16 or layout.get(kv).rope]
+
+
+@pytest.mark.parametrize("kv_layout, q_dtype", LAYOUTS_AND_Q, ids=[f"{kv}-{str(q)[6:]}" for kv, q in LAYOUTS_AND_Q])
 @pytest.mark.parametrize("path", [DECODE, PREFILL])
-def test_random_inputs_both_layouts_both_paths(make_case, kv_layout, path, q_dtype):
+def test_random_inputs_every_layout_both_paths(make_case, kv_layout, path, q_dtype):
     case = make_case(kv_layout=kv_layout, num_tokens=3, num_heads=16, topk=150, q_dtype=q_dtype)
     _assert_matches(*_run_both(case, path))
 
@@ -108,9 +113,9 @@ def test_invalid_slots_are_never_read(make_case, kv_layout):
     clean = case.kv_cache.clone()
     rows = case.kv_cache.view(-1, case.kv_cache.shape[-1])
     poison = rows[~referenced]
-    if kv_layout == layout.FP8_DS_MLA:
+    if layout.get(kv_layout).fp8:
         poison[:, : layout.KV_LORA_RANK] = 0x7F  # fp8 e4m3 NaN
-        poison[:, layout.FP8_SCALE_OFFSET:] = 0xFF  # NaN scales and rope
+        poison[:, layout.FP8_SCALE_OFFSET:] = 0xFF  # NaN scales, rope or reserved bytes
     else:
         poison[:] = float("nan")
     rows[~referenced] = poison
@@ -129,7 +134,7 @@ def test_topk_length(make_case, path, q_dtype):
 
 @pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
 def test_page_strided_view(make_case, kv_layout):
-    pad = 48 if kv_layout == layout.FP8_DS_MLA else 24  # 48 bytes either way: 16-byte aligned
+    pad = 48 if layout.get(kv_layout).fp8 else 24  # 48 bytes either way: 16-byte aligned
     case = make_case(kv_layout=kv_layout, page_pad=pad, num_tokens=2, num_heads=5, topk=100)
     assert case.kv_cache.stride(0) > case.kv_cache.shape[1] * case.kv_cache.shape[2]
     _assert_matches(*_run_both(case, DECODE))
@@ -184,14 +189,19 @@ def test_strided_arguments_are_honoured(make_case, what, path):
         assert got[0] is extra["out"]
 
 
+# Narrowed: the rope-less fp8 rows are guarded in test_nope.py (packed 528-byte rows, both kernels);
+# fp8_ds_mla_nope runs the same compiled code over rows whose 128 reserved bytes lie inside the
+# storage, where a guard page cannot see a read (test_nope's NaN-in-reserved-bytes test does).
+GUARDED_LAYOUTS = [kv for kv in layout.KV_LAYOUTS if kv not in ("fp8_ds_mla_nope", "fp8_nope")]
+
+
 @pytest.mark.skipif(ON_GPU, reason="guard pages protect host memory: the CPU (interpreter) run checks them")
-@pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_no_read_past_any_storage(kv_layout, num_splits):
+@pytest.mark.parametrize("kv_layout", GUARDED_LAYOUTS)
+def test_no_read_past_any_storage(kv_layout):
     """Every tensor (q, cache, indices, stride-0 topk_length and sink) placed against an unreadable
-    page, in a child process: a read past any storage kills it with SIGSEGV."""
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("guarded_call.py")), kv_layout,
-                           str(num_splits)], capture_output=True, text=True, timeout=300, env=clean_env())
+    page, in a child process, one split and four: a read past any storage kills it with SIGSEGV."""
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("guarded_call.py")), "exact", kv_layout,
+                           "1,4"], capture_output=True, text=True, timeout=600, env=clean_env())
     assert done.returncode == 0, f"rc={done.returncode} (-11 is SIGSEGV): {done.stderr[-2000:]}"
 
 

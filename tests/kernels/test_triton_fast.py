@@ -4,10 +4,8 @@ against a torch emulation of its own fp8 numerics (bit for bit up to fp32 summat
 On the CPU it runs under Triton's interpreter, which executes the same ``tl.dot_scaled`` MMAs on
 the exactly-representable e4m3 values the kernel rounds itself, so these tests check the real
 numerics; on a GPU it runs compiled. The compile gate (test_compile_gate.py) proves the same
-source compiles to fp8 MMAs with two CTAs per SM on sm_120a/121a.
-
-Run as a script (``python test_triton_fast.py guarded KV_LAYOUT NUM_SPLITS``) it is the child
-process of the out-of-bounds test: every input against an unreadable page.
+source compiles to fp8 MMAs with two CTAs per SM on sm_120a/121a. The rope-less fp8 layouts
+(GLM-5.3-Flash) are in test_nope.py; the emulation here covers them too.
 """
 
 from __future__ import annotations
@@ -18,23 +16,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # the guarded child process: set up as tests/conftest.py does
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pytest
+import torch
+import triton
+import triton.language as tl
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
+from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels import triton_fast as tf
+from mla_sm120_plugin.kernels import triton_plan as plan
+from mla_sm120_plugin.kernels.reference import torch_sparse_mla
 
-from helpers import DEVICE, ON_GPU, against_guard_page, assert_kernel_close, clean_env  # noqa: E402
-from mla_sm120_plugin.kernels import layout, pack  # noqa: E402
-from mla_sm120_plugin.kernels import triton_fast as tf  # noqa: E402
-from mla_sm120_plugin.kernels import triton_plan as plan  # noqa: E402
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla  # noqa: E402
-
-if __name__ != "__main__" and not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",
                 allow_module_level=True)
 
@@ -127,10 +120,12 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(F32)
 
 
-def emulate_fast(q, kv_cache, indices, sm_scale, block_k=plan.FAST.block_k):
+def emulate_fast(q, kv_cache, indices, sm_scale, block_k=plan.FAST.block_k, kv_layout=layout.FP8_DS_MLA):
     """The fast kernel's single-split numerics in torch (module docstring of triton_fast): q per
     (head, tile) and p per (head, step) rounded to e4m3 under power-of-two scales, the key scale on
-    the fp32 tile scores, the value scale folded into p, an online softmax in steps of block_k."""
+    the fp32 tile scores, the value scale folded into p, an online softmax in steps of block_k; the
+    rope dot in fp32 where the layout has a rope."""
+    lay = layout.get(kv_layout)
     q, kv_cache, indices = q.cpu(), kv_cache.cpu(), indices.cpu()
     num_tokens, num_heads, _ = q.shape
     rows_all = pack.flat_view(kv_cache)
@@ -154,8 +149,10 @@ def emulate_fast(q, kv_cache, indices, sm_scale, block_k=plan.FAST.block_k):
             k8 = rows[:, :layout.KV_LORA_RANK].view(torch.float8_e4m3fn).to(F32).masked_fill(~valid[:, None], 0)
             sc = rows[:, layout.FP8_SCALE_OFFSET:layout.FP8_ROPE_OFFSET].contiguous().view(F32)
             sc = sc.masked_fill(~valid[:, None], 0)  # [K, 4]
-            rope = rows[:, layout.FP8_ROPE_OFFSET:].contiguous().view(torch.bfloat16).to(F32)
-            s = qf[:, layout.KV_LORA_RANK:] @ rope.masked_fill(~valid[:, None], 0).T  # [H, K]
+            s = torch.zeros(num_heads, slot.shape[0])  # [H, K]
+            if lay.rope:
+                rope = rows[:, lay.rope_offset:lay.used].contiguous().view(torch.bfloat16).to(F32)
+                s = qf[:, lay.latent:] @ rope.masked_fill(~valid[:, None], 0).T
             for i in range(layout.FP8_NUM_TILES):
                 s = s + (q_deq[i] @ k8[:, tile(i)].T) * sc[:, i][None, :]
             s = torch.where(valid[None, :], s * torch.tensor(sm_scale * math.log2(math.e), dtype=F32), -math.inf)
@@ -178,12 +175,15 @@ def emulate_fast(q, kv_cache, indices, sm_scale, block_k=plan.FAST.block_k):
 
 @pytest.mark.skipif(ON_GPU, reason="a GPU's exp2 and MMA summation order differ from torch's; the interpreter "
                     "runs the kernel's numerics exactly (the reference tests below bound the GPU)")
-@pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
-def test_interpreter_runs_exactly_the_documented_fp8_numerics(make_case, scale_format):
-    case = make_case(num_tokens=3, num_heads=16, topk=150, q_dtype=torch.float32, scale_format=scale_format)
+@pytest.mark.parametrize("kv_layout, scale_format", [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY),
+                                                      (layout.FP8_DS_MLA, layout.SCALE_POW2),
+                                                      ("fp8_nope", layout.SCALE_POW2)])
+def test_interpreter_runs_exactly_the_documented_fp8_numerics(make_case, kv_layout, scale_format):
+    case = make_case(kv_layout=kv_layout, num_tokens=3, num_heads=16, topk=150, q_dtype=torch.float32,
+                     scale_format=scale_format)
     case.indices[2, 40:] = -1  # a token whose later steps are empty
     got = _run_both(case, PREFILL)[0]
-    want = emulate_fast(case.q, case.kv_cache, case.indices, case.sm_scale)
+    want = emulate_fast(case.q, case.kv_cache, case.indices, case.sm_scale, kv_layout=kv_layout)
     assert_kernel_close(got[0], want[0], 1e-5)
     assert_kernel_close(got[1], want[1], 1e-5)
 
@@ -332,36 +332,10 @@ def test_the_tolerance_is_tighter_than_a_wrong_scale(make_case):
 
 
 @pytest.mark.skipif(ON_GPU, reason="guard pages protect host memory: the CPU (interpreter) run checks them")
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_no_read_past_any_storage(num_splits):
+def test_no_read_past_any_storage():
     """Every tensor (q, cache, indices, stride-0 topk_length and sink) placed against an unreadable
-    page, in a child process: a read past any storage kills it with SIGSEGV."""
-    done = subprocess.run([sys.executable, __file__, "guarded", layout.FP8_DS_MLA, str(num_splits)],
-                          capture_output=True, text=True, timeout=300, env=clean_env())
+    page, in a child process (tests/kernels/guarded_call.py), one split and four: a read past any
+    storage kills it with SIGSEGV. The packed 528-byte rope-less rows: test_nope.py."""
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("guarded_call.py")), "fast", layout.FP8_DS_MLA,
+                           "1,4"], capture_output=True, text=True, timeout=600, env=clean_env())
     assert done.returncode == 0, f"rc={done.returncode} (-11 is SIGSEGV): {done.stderr[-2000:]}"
-
-
-def _guarded_main(kv_layout: str, num_splits: int) -> int:
-    from conftest import build_case
-
-    case = build_case(kv_layout=kv_layout, num_tokens=4, num_heads=5, topk=100, device="cpu")
-    case.indices[0, :3] = torch.tensor([case.num_slots - 1, case.num_slots, -1], dtype=torch.int32)
-    extra = dict(topk_length=torch.tensor([100], dtype=torch.int32).expand(4), sink=torch.tensor([0.5]).expand(5))
-    ref_out, ref_lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
-                                        kv_layout=kv_layout, return_lse=True, **extra)
-    blocks = -(-case.indices.shape[1] // plan.FAST.block_k)
-    cfg = plan.FAST.config(num_splits, -(-blocks // num_splits))
-    out, lse = tf._run(
-        against_guard_page(case.q), against_guard_page(case.kv_cache), against_guard_page(case.indices),
-        sm_scale=case.sm_scale, kv_layout=kv_layout, out=None, return_lse=True, lse_base="e", config=cfg,
-        **{k: against_guard_page(v) for k, v in extra.items()},
-    )
-    assert_kernel_close(out, ref_out, tf.TOLERANCE)
-    assert_kernel_close(lse, ref_lse, tf.TOLERANCE)
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["guarded"]:
-        sys.exit(_guarded_main(sys.argv[2], int(sys.argv[3])))
-    sys.exit(f"usage: {sys.argv[0]} guarded KV_LAYOUT NUM_SPLITS")
