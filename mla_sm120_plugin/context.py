@@ -17,16 +17,18 @@ from typing import Any, Iterable, Mapping
 from . import config as config_mod
 from . import engines as engines_mod
 from .errors import ConfigError, format_error
+from .kernels.layout import ROPE_DIM
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
 
 ENGINES = tuple(engines_mod.ENGINES)
 
 
-def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None) -> str:
-    """The cache layout an engine's ``--kv-cache-dtype`` value gives a DSA model (None or ``auto``:
-    the engine's default on a GPU of ``sm_family``)."""
-    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family)
+def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None,
+              rope: int = ROPE_DIM) -> str:
+    """The cache layout an engine's ``--kv-cache-dtype`` value gives a DSA model with a ``rope``-wide
+    rope part (None or ``auto``: the engine's default on a GPU of ``sm_family``)."""
+    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family, rope)
 
 
 @dataclass(frozen=True)
@@ -90,14 +92,14 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family),
+        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim),
         kv_cache_dtype_given=None if kv_cache_dtype is None else str(kv_cache_dtype),
         engine=limits.engine,
         kv_lora_rank=facts.kv_lora_rank,
         qk_rope_head_dim=facts.qk_rope_head_dim,
         precision=settings.precision,
         num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
-        index_topk=facts.index_topk,
+        index_topk=engines_mod.ENGINES[limits.engine].index_width(facts.index_topk, facts.index_kpool),
         device=device,
         prefill_kernel=settings.prefill_kernel,
         decode_kernel=settings.decode_kernel,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .kernels.layout import BF16, FP8_DS_MLA, SCALE_ARBITRARY
+from .kernels.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, ROPE_DIM, SCALE_ARBITRARY
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,11 @@ class Engine:
     :param native_backends: SM family -> the engine's own sparse-MLA backends there.
     :param feature_flags: engine feature (see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`)
         -> how to switch it off.
+    :param nope_layouts: the layout a ``--kv-cache-dtype`` gives a rope-less model instead (vLLM
+        keeps fp8 rows 656 bytes wide, SGLang packs 528).
+    :param pooled_ids_align: for a pooled indexer (``index_kpool`` > 1) the engine hands the kernels
+        ``index_topk + kpool - 1`` token ids a row (each pick's tokens plus the partial tail),
+        rounded up to a multiple of this.
     """
 
     name: str
@@ -53,13 +58,25 @@ class Engine:
     feature_flags: Mapping[str, str] = field(default_factory=dict)
     auto_fp8_from_sm: int | None = None
     scale_format: str | None = None
+    nope_layouts: Mapping[str, str] = field(default_factory=dict)
+    pooled_ids_align: int = 1
 
-    def kv_layout(self, value: str | None, sm_family: int | None) -> str:
-        """The layout ``--kv-cache-dtype value`` gives a DSA model on a GPU of ``sm_family``."""
+    def kv_layout(self, value: str | None, sm_family: int | None, rope: int = ROPE_DIM) -> str:
+        """The layout ``--kv-cache-dtype value`` gives a DSA model with a ``rope``-wide rope part on a
+        GPU of ``sm_family``."""
         if value is None or str(value) == "auto":
             fp8 = self.auto_fp8_from_sm is not None and sm_family is not None and sm_family >= self.auto_fp8_from_sm
-            return FP8_DS_MLA if fp8 else BF16
-        return self.kv_spellings.get(str(value), str(value))
+            base = FP8_DS_MLA if fp8 else BF16
+        else:
+            base = self.kv_spellings.get(str(value), str(value))
+        return self.nope_layouts.get(base, base) if rope == 0 else base
+
+    def index_width(self, index_topk: int, index_kpool: int) -> int:
+        """How many ids a row of top-k indices holds when the kernels get it."""
+        if index_kpool <= 1:
+            return index_topk
+        wide = index_topk + index_kpool - 1
+        return -(-wide // self.pooled_ids_align) * self.pooled_ids_align
 
     def spelling(self, layout: str) -> str:
         """The engine's own name for ``layout`` (its first spelling that means it)."""
@@ -92,6 +109,8 @@ VLLM = Engine(
         "hisparse": "drop the HiSparse attention config (attention_config.hisparse_config)",
         "dcp": "set --decode-context-parallel-size 1",
     },
+    nope_layouts={FP8_DS_MLA: FP8_DS_MLA_NOPE, BF16: BF16_NOPE},
+    pooled_ids_align=128,  # the kpool indexer's buffer: round_up(2048 + 3, 128) = 2176 for GLM-5.3-Flash
 )
 
 SGLANG = Engine(
@@ -112,12 +131,13 @@ SGLANG = Engine(
     feature_flags={
         "hisparse": "drop --enable-hisparse",
         "dcp": "set --dcp-size 1",
-        "index_kpool": "use a model whose indexer k-pool is 1",
         "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
     },
     # _dsa_kv_cache_dtype_default: auto -> fp8_e4m3 for DSA models on SM >= 10 (no learnable sinks).
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model
+    nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
+    pooled_ids_align=1,  # 2048 + 3 = 2051 ids for GLM-5.3-Flash
 )
 
 ENGINES: Mapping[str, Engine] = {engine.name: engine for engine in (VLLM, SGLANG)}

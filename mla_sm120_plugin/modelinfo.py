@@ -28,6 +28,9 @@ MAX_INDEX_TOPK = 1 << 20
 # layout's; the policy refuses a model whose cache rows would not be those.
 MAX_HEAD_WIDTH = 1 << 16
 
+# Indexer keys pooled per pick: GLM-5.3-Flash pools 4; more than a page's 64 would be no index.
+MAX_KPOOL = 64
+
 # The geometry keys of an MLA config: the least value each may take (rope may be 0: NoPE models).
 GEOMETRY_KEYS = {"kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0, "v_head_dim": 1}
 
@@ -42,7 +45,8 @@ class ModelFacts:
     :param qk_rope_head_dim: RoPE width, the same way.
     :param qk_nope_head_dim: the non-rope q/k width per head (enters only the engine's projections
         and softmax scale; read and type-checked, not served on).
-    :param v_head_dim: the value width per head (likewise)."""
+    :param v_head_dim: the value width per head (likewise).
+    :param index_kpool: indexer keys pooled per top-k pick (1: none)."""
 
     arch: str
     name: str
@@ -52,6 +56,7 @@ class ModelFacts:
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    index_kpool: int = 1
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -138,7 +143,8 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
         key: _count(cfg, key, MAX_HEAD_WIDTH, getattr(profile, key, None) if profile else None, where, arch, least)
         for key, least in GEOMETRY_KEYS.items()
     }
-    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, **geometry)
+    kpool = _count(cfg, "index_kpool", MAX_KPOOL, profile.index_kpool if profile else 1, where, arch) or 1
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
@@ -171,4 +177,5 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
             )
         )
     return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk,
-                      kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim)
+                      kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim,
+                      index_kpool=profile.index_kpool)

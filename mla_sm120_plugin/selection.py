@@ -16,7 +16,7 @@ from typing import Any
 from .engines import ENGINES
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
-from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
+from .kernels.layout import LAYOUTS, SCALE_FORMATS
 from .types import (
     AUTO,
     DECODE,
@@ -260,7 +260,8 @@ def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
     fixes = []
     if ctx.prefill_kernel != AUTO or ctx.decode_kernel != AUTO:
         fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one listed as able to run")
-    if ctx.kv_cache_dtype != FP8_DS_MLA and any(r.startswith("reads kv_cache_dtype") for r in reasons):
+    fp8_cache = ctx.kv_cache_dtype in LAYOUTS and LAYOUTS[ctx.kv_cache_dtype].fp8
+    if not fp8_cache and any(r.startswith("reads kv_cache_dtype") for r in reasons):
         fixes.append(f"use {engine.fp8_flag} for the kernels that read only the fp8 cache")
     if any("pip install" in r for r in reasons):
         fixes.append("install what a probe above reports missing")

@@ -148,8 +148,10 @@ class ModelProfile:
     :param model_type: HF ``model_type``.
     :param num_heads: attention heads before tensor parallelism.
     :param kv_lora_rank: latent width (512 for every known DSA model).
-    :param qk_rope_head_dim: RoPE width (64).
+    :param qk_rope_head_dim: RoPE width (64; 0 for the rope-less GLM-5.3-Flash).
     :param index_topk: the indexer's top-k.
+    :param index_kpool: indexer keys pooled per top-k pick (GLM-5.3-Flash: 4); the engines expand the
+        picks to token slots plus a tail, so the ids a kernel gets are wider than ``index_topk``.
     :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
     :param aliases: other names the CLI accepts (HF repo ids).
     """
@@ -163,6 +165,7 @@ class ModelProfile:
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     aliases: tuple[str, ...] = ()
+    index_kpool: int = 1
 
     def __post_init__(self) -> None:
         owner = f"ModelProfile({self.name!r})"
@@ -176,10 +179,11 @@ class ModelProfile:
         if not self.architectures:
             raise PluginError(format_error(f"{owner}.architectures empty", "at least one HF architecture", "list them"))
         object.__setattr__(self, "aliases", tuple(_frozenset_of_str(self.aliases, "aliases", owner)))
-        for attr in ("num_heads", "index_topk", "kv_lora_rank", "qk_rope_head_dim"):
+        for attr, least in (("num_heads", 1), ("index_topk", 1), ("kv_lora_rank", 1), ("qk_rope_head_dim", 0),
+                            ("index_kpool", 1)):
             value = getattr(self, attr)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PluginError(format_error(f"{owner}.{attr}={value!r}", "a positive int", f"fix {attr}"))
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise PluginError(format_error(f"{owner}.{attr}={value!r}", f"an int >= {least}", f"fix {attr}"))
         if self.kv_scale_format not in SCALE_FORMATS:
             raise PluginError(
                 format_error(f"{owner}.kv_scale_format={self.kv_scale_format!r}", f"one of {SCALE_FORMATS}", "fix it")
@@ -298,7 +302,9 @@ class SelectionContext:
     :param model_name: the served model's name or path (matched by per-model config).
     :param kv_cache_dtype: ``"fp8_ds_mla"``, ``"bf16"``, or what the engine was given.
     :param num_heads: attention heads per rank (after tensor parallelism).
-    :param index_topk: the indexer's top-k.
+    :param index_topk: top-k ids a query token's index row holds when the kernels get it: the
+        indexer's top-k, or for a pooled indexer (GLM-5.3-Flash) the engine's wider row of token
+        ids (vLLM 2176, SGLang 2051).
     :param device: the device decided for.
     :param prefill_kernel: ``"auto"`` or a forced kernel name.
     :param decode_kernel: ``"auto"`` or a forced kernel name.

@@ -37,6 +37,12 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 LAYER = "model.layers.0.self_attn.attn"
 # GLM-5's per-head widths: the softmax scale vLLM passes is (qk_nope + qk_rope) ** -0.5.
 GLM_SCALE = (192 + 64) ** -0.5
+# What MLAAttention hands the impl, per model family: head_size (latent + rope) and the per-head
+# widths (GLM-5: nope 192 + rope 64, v 256; GLM-5.3-Flash: nope 256, no rope, v 256).
+GEOMETRY = {
+    "glm": dict(head_size=576, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256, v_head_dim=256),
+    "glm53": dict(head_size=512, qk_nope_head_dim=256, qk_rope_head_dim=0, qk_head_dim=256, v_head_dim=256),
+}
 
 
 def make_vllm_config(model_dir: str, *, cache_dtype: str = "fp8_ds_mla", tp: int = 1,
@@ -75,17 +81,19 @@ def construction_context(vllm_config: VllmConfig, load_device: str = "meta") -> 
 
 
 def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float = GLM_SCALE,
-              load_device: str = "meta", cap: tuple[int, int] = (12, 0)):
-    """The plugin's impl as vLLM's DSA attention layer constructs it (GLM-5 geometry): the selector
-    validates first, then the impl is built inside :func:`construction_context`.
+              load_device: str = "meta", cap: tuple[int, int] = (12, 0), model: str = "glm"):
+    """The plugin's impl as vLLM's MLA attention layer constructs it (``model``'s geometry, see
+    :data:`GEOMETRY`): the selector validates first, then the impl is built inside
+    :func:`construction_context`.
 
     ``load_device="meta"`` is where a GPU start-up would build it (on ``cuda``); a test that runs the
     impl's forward on the CPU builds it on ``"cpu"`` so its buffers are usable there.
     """
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, MlaSm120Impl
 
+    geometry = GEOMETRY[model]
     with set_current_vllm_config(vllm_config):
-        reasons = MlaSm120Backend.validate_configuration(**selector_kwargs(kv_cache_dtype, cap))
+        reasons = MlaSm120Backend.validate_configuration(**selector_kwargs(kv_cache_dtype, cap, geometry["head_size"]))
     if reasons:
         raise AssertionError(f"vLLM's selector would refuse the backend: {reasons}")
     with construction_context(vllm_config, load_device):
@@ -94,10 +102,10 @@ def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype:
             topk_buffer = torch.full((vllm_config.scheduler_config.max_num_batched_tokens, topk), -1,
                                      dtype=torch.int32)
         return MlaSm120Impl(
-            num_heads=heads, head_size=576, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            num_heads=heads, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-            q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
-            v_head_dim=256, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
+            q_lora_rank=256, kv_lora_rank=512, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
+            **geometry,
         )
 
 
@@ -125,8 +133,10 @@ def common_metadata(q_lens: list[int], seq_lens: list[int], block_table: list[li
     return cam
 
 
-def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam, *, page: int = 64):
-    """vLLM's own metadata builder (the plugin's subclass) on ``cam``, for one layer."""
+def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam, *, page: int = 64,
+                   head_size: int = 576):
+    """vLLM's own metadata builder (the plugin's subclass) on ``cam``, for one layer (``head_size``:
+    576, or 512 for a rope-less model)."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
@@ -134,7 +144,7 @@ def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam,
     fp8 = kv_cache_dtype == "fp8_ds_mla"
     vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
     spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
-        block_size=page, num_kv_heads=1, head_size=576, dtype=torch.uint8 if fp8 else torch.bfloat16,
+        block_size=page, num_kv_heads=1, head_size=head_size, dtype=torch.uint8 if fp8 else torch.bfloat16,
         cache_dtype_str=kv_cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
         state_content_bytes=656 if fp8 else None, topk_buffer_width=topk, is_index_group_leader=True,
     ))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..engines import ENGINES
-from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM
+from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, ROPE_DIM
 from ..types import ModelProfile, Refusal, SelectionContext
 from .specs import hookimpl
 
@@ -25,13 +25,13 @@ SERVED_SM_FAMILIES = frozenset({12})
 FEATURE_REASONS = {
     "hisparse": "HiSparse writes the cache through another path and remaps top-k through its own index group",
     "dcp": "decode context parallelism shards the cache across ranks; the kernels read one rank's whole cache",
-    "index_kpool": "an indexer k-pool over 1 returns pooled top-k ids, not token slots",
     "skip_softmax": "skip-softmax changes the attention output the kernels compute",
 }
 
 SERVED_DEVICE = "an NVIDIA SM120/SM121 GPU (the SM12x family: RTX 50xx, RTX PRO 6000 Blackwell, DGX Spark)"
-# The widths every kernel here reads: a 512-wide latent and a 64-wide rope (576-wide q/k rows).
-SERVED_GEOMETRY = {"kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM}
+# The widths the kernels here read: a 512-wide latent, with a 64-wide rope (GLM-5, DeepSeek-V3.2:
+# 576-wide q/k) or none (GLM-5.3-Flash: 512-wide).
+SERVED_GEOMETRY = {"kv_lora_rank": (KV_LORA_RANK,), "qk_rope_head_dim": (ROPE_DIM, 0)}
 
 
 def _device_refusal(ctx: SelectionContext) -> Refusal | None:
@@ -64,18 +64,30 @@ def kv_dtype_fix(kv: str, engine: str = "vllm") -> str:
 
 def _geometry_refusal(ctx: SelectionContext) -> Refusal | None:
     model = {"kv_lora_rank": ctx.kv_lora_rank, "qk_rope_head_dim": ctx.qk_rope_head_dim}
-    wrong = {key: value for key, value in model.items() if value != SERVED_GEOMETRY[key]}
-    if not wrong:
-        return None
-    given = ", ".join(f"{key}={value}" for key, value in wrong.items())
-    nope = " (a rope-less NoPE layout, as GLM-5.3-Flash's, is not served yet)" if ctx.qk_rope_head_dim == 0 else ""
-    return Refusal(
-        f"model geometry {given}{nope}: the kernels read caches of a {KV_LORA_RANK}-wide fp8/bf16 latent plus a "
-        f"{ROPE_DIM}-wide rope (q/k {KV_LORA_RANK + ROPE_DIM} wide); this model writes other rows",
-        ", ".join(f"{key}={value}" for key, value in SERVED_GEOMETRY.items()) + " (GLM-5, DeepSeek-V3.2)",
-        f"serve this model without {ENGINES[ctx.engine].enable_flag}, or check that the model's config.json "
-        "is its own (a copied GLM-5/DeepSeek-V3.2 config edited by hand?)",
-    )
+    wrong = {key: value for key, value in model.items() if value not in SERVED_GEOMETRY[key]}
+    if wrong:
+        given = ", ".join(f"{key}={value}" for key, value in wrong.items())
+        return Refusal(
+            f"model geometry {given}: the kernels read caches of a {KV_LORA_RANK}-wide fp8/bf16 latent with a "
+            f"{ROPE_DIM}-wide rope (q/k {KV_LORA_RANK + ROPE_DIM} wide) or none (q/k {KV_LORA_RANK} wide); "
+            "this model writes other rows",
+            " or ".join(f"{key} in {list(values)}" for key, values in SERVED_GEOMETRY.items())
+            + " (GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)",
+            f"serve this model without {ENGINES[ctx.engine].enable_flag}, or check that the model's config.json "
+            "is its own (a copied config edited by hand?)",
+        )
+    cache = LAYOUTS.get(ctx.kv_cache_dtype)
+    if cache is not None and cache.rope != ctx.qk_rope_head_dim:
+        engine = ENGINES[ctx.engine]
+        meant = engine.kv_layout(ctx.kv_cache_dtype_given, ctx.device.sm_family, ctx.qk_rope_head_dim)
+        return Refusal(
+            f"kv layout {ctx.kv_cache_dtype} has a {cache.rope}-wide rope part; the model's qk_rope_head_dim is "
+            f"{ctx.qk_rope_head_dim}: the engine writes {meant} rows for it",
+            f"a layout whose rope width is the model's ({meant})",
+            "let the plugin derive the layout from the engine's --kv-cache-dtype and the model (do not name a "
+            "layout of another geometry)",
+        )
+    return None
 
 
 @hookimpl
@@ -103,10 +115,24 @@ def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> I
     geometry = _geometry_refusal(ctx)
     if geometry is not None:
         yield geometry
-    elif profile is not None and (profile.kv_lora_rank, profile.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
+    elif profile is not None and (profile.kv_lora_rank not in SERVED_GEOMETRY["kv_lora_rank"]
+                                  or profile.qk_rope_head_dim not in SERVED_GEOMETRY["qk_rope_head_dim"]):
         yield Refusal(
             f"profile {profile.name} has kv_lora_rank={profile.kv_lora_rank}, qk_rope_head_dim="
-            f"{profile.qk_rope_head_dim}: the kernels read {KV_LORA_RANK}+{ROPE_DIM}-wide caches",
-            f"kv_lora_rank={KV_LORA_RANK} and qk_rope_head_dim={ROPE_DIM} (GLM-5, DeepSeek-V3.2)",
+            f"{profile.qk_rope_head_dim}: the kernels read {KV_LORA_RANK}+{ROPE_DIM}-wide or {KV_LORA_RANK}-wide caches",
+            f"kv_lora_rank={KV_LORA_RANK} and qk_rope_head_dim {ROPE_DIM} or 0 (GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)",
             "serve this model with a plugin whose kernels read its geometry",
+        )
+    elif profile is not None and profile.qk_rope_head_dim != ctx.qk_rope_head_dim:
+        # The engine picks its cache writer by architecture: a DSA architecture writes rope bytes,
+        # GLM-5.3-Flash's writes none. A config that disagrees with its architecture is not a model
+        # either engine serves as written; reading it with either layout would be a guess.
+        yield Refusal(
+            f"the model's config.json has qk_rope_head_dim={ctx.qk_rope_head_dim}, but its architecture "
+            f"{ctx.model_arch} ({profile.name}) has qk_rope_head_dim={profile.qk_rope_head_dim}: the engine's cache writer for "
+            "that architecture does not write the rows this geometry needs",
+            f"qk_rope_head_dim={profile.qk_rope_head_dim} for {ctx.model_arch}"
+            + (" (a rope-less model is GLM-5.3-Flash: Glm5Next* architectures)" if ctx.qk_rope_head_dim == 0 else ""),
+            "check that the model's config.json is its own (a copied config edited by hand?); for a rope-less "
+            "(NoPE) model use its own architecture name",
         )

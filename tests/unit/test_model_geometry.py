@@ -43,7 +43,6 @@ def test_glm5s_own_geometry_is_served(tmp_path, capsys):
 
 @pytest.mark.parametrize("key, value, reads", [
     ("kv_lora_rank", 256, "512-wide"),
-    ("qk_rope_head_dim", 0, "64-wide rope"),
     ("qk_rope_head_dim", 511, "64-wide rope"),
     ("kv_lora_rank", 1024, "512-wide"),
 ])
@@ -53,8 +52,16 @@ def test_a_geometry_the_kernels_do_not_read_is_refused(tmp_path, capsys, key, va
     message = err.split("UnsupportedConfiguration: ", 1)[1]
     assert f"model geometry {key}={value}" in message and reads in message
     assert_three_parts(message)
-    if key == "qk_rope_head_dim" and value == 0:
-        assert "NoPE" in message  # GLM-5.3-Flash's layout, named for what it is
+
+
+def test_a_rope_less_config_under_a_dsa_architecture_is_refused(tmp_path, capsys):
+    """qk_rope_head_dim 0 is a width the kernels read (GLM-5.3-Flash), but GLM-5's architecture
+    makes the engine write rope bytes: the refusal names both and the rope-less architectures."""
+    code, err = _check(capsys, _write(tmp_path, qk_rope_head_dim=0))
+    assert code == 2
+    message = err.split("UnsupportedConfiguration: ", 1)[1]
+    assert "qk_rope_head_dim=0" in message and "GlmMoeDsaForCausalLM" in message and "Glm5Next" in message
+    assert_three_parts(message)
 
 
 @pytest.mark.parametrize("key", sorted(GEOMETRY_KEYS))

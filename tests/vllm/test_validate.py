@@ -196,7 +196,7 @@ def test_config_is_read_once_per_process(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change, needle", [
     (dict(kv_lora_rank=256), "model geometry kv_lora_rank=256"),
-    (dict(qk_rope_head_dim=0), "model geometry qk_rope_head_dim=0 (a rope-less NoPE layout"),
+    (dict(qk_rope_head_dim=0), "config.json has qk_rope_head_dim=0, but its architecture GlmMoeDsaForCausalLM"),
 ])
 def test_the_models_own_geometry_is_checked_before_weights_load(tmp_path, change, needle):
     """vLLM's hf_text_config is read, not the profile: a GLM-5 config with another latent or rope width

@@ -20,6 +20,9 @@ Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.
   match q's rows (SGLang's own rule: it drops them otherwise).
 - ``DeepseekSparseAttnBackend.forward_decode`` / ``forward_extend`` (AROUND): say which phase a
   call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
+- ``DeepseekSparseAttnBackend._check_kpool_tail_backend`` (AROUND, each forward): SGLang allows only
+  fa3/tilelang/trtllm for a pooled indexer (GLM-5.3-Flash), none of which runs on SM12x with an fp8
+  cache; the routed call site gets the expanded token slots, which every kernel here reads.
 
 No servability rule lives here: the adapter translates, the matrix decides.
 """
@@ -38,7 +41,7 @@ from ...context import EngineLimits, build_context, context_from_json, context_t
 from ...device import from_capability
 from ...errors import KernelInputError, PluginError, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
-from ...kernels.layout import FP8_DS_MLA, FP8_DS_MLA_TOKEN_BYTES, HEAD_DIM
+from ...kernels.layout import get as get_layout
 from ...modelinfo import facts_from_hf_config
 from ...selection import DECODE_TOKENS_MAX, select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
@@ -54,6 +57,9 @@ RESOLUTION = "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution"
 VALIDATOR = "sglang.kernels.ops.attention.flash_mla_sm120._validate_flashinfer_sparse_mla_backend"
 CALL = "sglang.kernels.ops.attention.flash_mla_sm120.flashinfer_sparse_mla_forward"
 DECODE_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
+# Per forward, SGLang refuses every impl but fa3/tilelang/trtllm for a pooled indexer (GLM-5.3-Flash);
+# the plugin's kernels read the token slots SGLang expands the pools to.
+KPOOL_TAIL_CHECK = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend._check_kpool_tail_backend"
 # SGLang's named persistent buffer for the DSA call site's FlashInfer workspace, and where it lives.
 WORKSPACE_BUFFER = "dsa_flashinfer_sparse_mla_workspace"
 BUFFERS = "sglang.srt.runtime_context.get_buffer"
@@ -74,8 +80,6 @@ def _engine_features(view: Any, hf_config: Any) -> frozenset[str]:
         features.add("hisparse")
     if (getattr(view, "dcp_size", 1) or 1) > 1:
         features.add("dcp")
-    if (getattr(hf_config, "index_kpool", 1) or 1) != 1 or getattr(hf_config, "index_kpool_compress", False):
-        features.add("index_kpool")
     if any(os.environ.get(f"SGLANG_SKIP_SOFTMAX_{phase}_THRESHOLD_SCALE_FACTOR") for phase in ("PREFILL", "DECODE")):
         features.add("skip_softmax")
     return frozenset(features)
@@ -168,9 +172,11 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
                 workspace_buffer: Any = None, **kwargs: Any) -> Any:
     """AROUND ``flashinfer_sparse_mla_forward``: the bound kernel of the current phase.
 
-    q: [T, H, 576] bfloat16; kv_cache: [slots, 1, 656] float8_e4m3fn bytes or [slots, 1, 576]
-    bfloat16; indices: [T, topk] int32 global slots, -1 padded; seq_lens: [T] int32 valid top-k
-    entries a row, or rows of another count (then unused). Returns [T, H, 512] bfloat16.
+    q: [T, H, 576] bfloat16 ([T, H, 512] for a rope-less model); kv_cache: [slots, 1, 656]
+    float8_e4m3fn bytes or [slots, 1, 576] bfloat16 (rope-less: [slots, 1, 528] bytes or
+    [slots, 1, 512] bfloat16); indices: [T, topk] int32 global slots, -1 padded (2051 wide for
+    GLM-5.3-Flash); seq_lens: [T] int32 valid top-k entries a row, or rows of another count (then
+    unused). Returns [T, H, 512] bfloat16.
     """
     if not enabled():
         return original_fn(q, kv_cache, indices, seq_lens, workspace_buffer, **kwargs)
@@ -187,6 +193,14 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
     return state.kernels[phase].call(q, state.pages(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
                                      kv_layout=state.kv_layout, topk_length=lengths,
                                      scale_format=state.scale_format)
+
+
+def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_indices: Any, dsa_impl: str,
+                            *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_check_kpool_tail_backend``: the call site the plugin serves reads expanded token slots."""
+    if enabled() and dsa_impl == ROUTE:
+        return None
+    return original_fn(backend, topk_indices, dsa_impl, *args, **kwargs)
 
 
 def _in_phase(phase: str, original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -216,6 +230,7 @@ HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook on it (B
     CALL: around_call,
     DECODE_ENTRY: around_forward_decode,
     EXTEND_ENTRY: around_forward_extend,
+    KPOOL_TAIL_CHECK: around_kpool_tail_check,
 }
 
 
@@ -289,17 +304,18 @@ class BoundState:
     def pages(self, kv_cache: Any) -> Any:
         """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
 
-        SGLang's DSA pool holds whole pages (it views the buffer as ``[-1, page_size, C]`` itself,
-        with a physical page size of 64, 64 x index_kpool logical); a buffer that is not whole
+        ``C`` is the layout's row: 656 fp8 bytes (DSA), 528 (SGLang's packed rope-less rows), or 576 /
+        512 bf16. SGLang's DSA pool holds whole pages (it views the buffer as ``[-1, page_size, C]``
+        itself, with a physical page size of 64, 64 x index_kpool logical); a buffer that is not whole
         64-row pages is refused with the sizes.
         """
         import torch
 
         from ...kernels.pack import page_view
 
-        if self.kv_layout == FP8_DS_MLA:
-            return page_view(kv_cache.view(torch.uint8).reshape(-1, FP8_DS_MLA_TOKEN_BYTES))
-        return page_view(kv_cache.reshape(-1, HEAD_DIM))
+        cache = get_layout(self.kv_layout)
+        rows = kv_cache.view(torch.uint8) if cache.fp8 else kv_cache
+        return page_view(rows.reshape(-1, cache.row))
 
 
 def bound_state() -> BoundState:

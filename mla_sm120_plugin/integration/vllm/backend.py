@@ -33,7 +33,7 @@ from ...hooks.manager import get_registry
 from ...hooks.policy import SERVED_SM_FAMILIES
 from ...kernels import selfcheck
 from ...kernels.binding import BoundKernel, bind
-from ...kernels.layout import HEAD_DIM, KV_LORA_RANK, PAGE_SIZE
+from ...kernels.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
 from ...kernels.pack import page_view
 from ...modelinfo import facts_from_hf_config
 from ...selection import select
@@ -159,7 +159,8 @@ class MlaSm120Backend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [HEAD_DIM]
+        # 576: GLM-5 / DeepSeek-V3.2 (latent + rope); 512: the rope-less GLM-5.3-Flash.
+        return sorted({lay.head_dim for lay in LAYOUTS.values()})
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -246,9 +247,11 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
         """Sparse MQA over the DSA cache for every row of the batch.
 
-        q: ([N, H, 512], [N, H, 64]) bfloat16 (ql_nope may be a strided view) or packed [N, H, 576]
-        kv_c_and_k_pe_cache: [num_blocks, block_size, 656] uint8 (fp8_ds_mla) or
-            [num_blocks, block_size, 576] bfloat16; block stride may exceed block_size rows
+        q: ([N, H, 512], [N, H, 64]) bfloat16 (ql_nope may be a strided view) or packed [N, H, 576];
+            for a rope-less model (GLM-5.3-Flash) ([N, H, 512], [N, H, 0])
+        kv_c_and_k_pe_cache: [num_blocks, block_size, 656] uint8 (fp8_ds_mla, with or without the
+            rope part) or [num_blocks, block_size, 576 or 512] bfloat16; block stride may exceed
+            block_size rows
         returns: (out [N, H, 512] in q's dtype, None)
 
         The kernels get the cache as 64-row pages of vLLM's flat row view (slots are rows of it),
@@ -256,7 +259,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         (``customize_spec``), so the view always exists.
         """
         if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)  # [N, H, 576], contiguous
+            # [N, H, 576] contiguous; a rope-less model's q_pe is empty and ql_nope is the whole q.
+            q = q[0] if q[1].shape[-1] == 0 else torch.cat(q, dim=-1)
         n = q.shape[0]
         logical = self.topk_indices_buffer[:n]  # [N, topk] positions within each request, -1 padded
         kv_rows, stride_rows = flat_kv_row_view(kv_c_and_k_pe_cache, attn_metadata.block_size)  # [rows, C]

@@ -1,0 +1,95 @@
+"""GLM-5.3-Flash (rope-less sparse MLA) through vLLM 0.33's own objects on the CPU.
+
+The selector asks for head_size 512; ``forward_mqa`` gets ``(ql_nope [N, H, 512], q_pe [N, H, 0])``,
+vLLM's 656-byte fp8_ds_mla rows whose last 128 bytes are reserved zeros (or 512 bf16 values), and a
+2176-wide index buffer of logical positions (the kpool indexer's picks with -1 holes, then the tail
+columns), converted to slots by the impl. The expected values are float64 attention over the rows
+as tests/layout_oracle.py decodes their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from layout_oracle import attention, decode_cache
+from model_configs import write_model
+from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, selector_kwargs
+
+from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
+from mla_sm120_plugin.hooks.manager import get_registry
+from mla_sm120_plugin.kernels import pack
+
+HEADS, PAGE, STRIDE_ROWS, NUM_BLOCKS = 8, 64, 128, 12
+WIDTH = 2176  # round_up(index_topk 2048 + kpool 4 - 1, 128): the indexer buffer's width
+SCALE = 256**-0.5  # qk_nope 256, no rope, no YaRN mscale
+Q_LENS = [1, 1, 3]  # two decodes, one short prefill
+SEQ_LENS = [150, 70, 40]
+BLOCK_TABLE = [[3, 7, 0], [1, 2, 0], [5, 0, 0]]
+OUT_TOL = 2e-2  # Triton (interpreter) and the reference against float64, unit-scale data
+
+
+@pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
+@pytest.mark.parametrize("kv, layout_name", [("fp8_ds_mla", "fp8_ds_mla_nope"), ("auto", "bf16_nope"),
+                                             ("bfloat16", "bf16_nope")])
+def test_validate_configuration_accepts_the_rope_less_model(tmp_path, cap, kv, layout_name):
+    from vllm.config import set_current_vllm_config
+
+    vc = make_vllm_config(write_model(tmp_path, "glm53", heads=HEADS), cache_dtype=kv, enforce_eager=True)
+    with set_current_vllm_config(vc):
+        assert MlaSm120Backend.validate_configuration(**selector_kwargs(kv, cap, head_size=512)) == []
+    ctx = decide(vc, kv, *cap).context
+    assert (ctx.kv_cache_dtype, ctx.qk_rope_head_dim, ctx.index_topk, ctx.num_heads) == (layout_name, 0, WIDTH, HEADS)
+
+
+def _logical_ids(gen: torch.Generator) -> torch.Tensor:
+    """Per token, as the kpool indexer writes them: picked positions with -1 holes in [0, 2048),
+    the request's last tokens in the tail columns, -1 elsewhere; a duplicate in one row."""
+    rows = []
+    for ql, sl in zip(Q_LENS, SEQ_LENS):
+        for i in range(ql):
+            visible = sl - ql + i + 1
+            row = torch.full((WIDTH,), -1, dtype=torch.int32)
+            picks = torch.randperm(visible, generator=gen)[: min(visible, 40)].int()
+            row[torch.randperm(2048, generator=gen)[: picks.numel()]] = picks
+            row[2048:2051] = torch.arange(visible - 3, visible, dtype=torch.int32)  # the tail: the last tokens
+            rows.append(row)
+    rows[0][5] = rows[0][2048]  # a duplicate counts twice
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bfloat16"])
+def test_forward_mqa_matches_float64_attention(tmp_path, cpu_vllm, kv):
+    gen = torch.Generator().manual_seed(11)
+    layout_name = "fp8_ds_mla_nope" if kv == "fp8_ds_mla" else "bf16_nope"
+    vc = make_vllm_config(write_model(tmp_path, "glm53", heads=HEADS), cache_dtype=kv, enforce_eager=True)
+    impl = make_impl(vc, heads=HEADS, topk=WIDTH, kv_cache_dtype=kv, scale=SCALE, load_device="cpu", model="glm53")
+    md = build_metadata(vc, kv, WIDTH, common_metadata(Q_LENS, SEQ_LENS, BLOCK_TABLE, page=PAGE,
+                                                       stride_rows=STRIDE_ROWS), head_size=512)
+    latent = torch.randn(NUM_BLOCKS * STRIDE_ROWS, 512, generator=gen)
+    rows = pack.pack(latent, layout_name, "pow2")  # vLLM's writer stores pow2 scales for this model too
+    backing = rows.view(NUM_BLOCKS, STRIDE_ROWS, rows.shape[-1])
+    kv_cache = backing[:, :PAGE]  # [blocks, 64, C], blocks 128 rows apart
+    n = sum(Q_LENS)
+    logical = _logical_ids(gen)
+    impl.topk_indices_buffer[:n] = logical
+    ql_nope = torch.randn(n, HEADS, 512, generator=gen).to(torch.bfloat16)
+    q_pe = torch.empty(n, HEADS, 0, dtype=torch.bfloat16)
+    out, lse = impl.forward_mqa((ql_nope, q_pe), kv_cache, md, layer=None)
+    assert lse is None and out.shape == (n, HEADS, 512)
+
+    keys = decode_cache(rows, layout_name)  # [rows, 512] float64, the bytes' own values
+    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
+    slots = torch.full_like(logical, -1)
+    for t in range(n):
+        for j, p in enumerate(logical[t].tolist()):
+            if p >= 0:
+                slots[t, j] = BLOCK_TABLE[int(req_of[t])][p // PAGE] * STRIDE_ROWS + p % PAGE
+    expected, _ = attention(ql_nope, keys, slots, SCALE)
+    err = (out.double() - expected).abs().max().item() / expected.abs().max().item()
+    # Each kernel is held to its own declared tolerance (the fast fp8 kernel rounds q and p to e4m3).
+    specs = get_registry().kernels
+    tol = max(OUT_TOL, *(specs[name].tolerance for name in impl.decision.kernels.values()))
+    assert err <= tol, f"max error {err:.3g} of the output's magnitude ({impl.decision.kernels})"
+    assert not math.isnan(err)
