@@ -79,8 +79,9 @@ def envelope_reasons(
     if ctx.index_topk % spec.topk_multiple:
         reasons.append(f"index_topk {ctx.index_topk} not a multiple of {spec.topk_multiple}")
     max_tokens = ctx.max_tokens_for(phase)
-    if spec.max_tokens is not None and max_tokens is not None and max_tokens > spec.max_tokens:
-        reasons.append(f"{phase} may see {max_tokens} tokens a call, kernel takes <= {spec.max_tokens}")
+    if spec.max_tokens is not None and (max_tokens is None or max_tokens > spec.max_tokens):
+        seen = "calls of any length (no bound given)" if max_tokens is None else f"{max_tokens} tokens a call"
+        reasons.append(f"{phase} may see {seen}, kernel takes <= {spec.max_tokens}")
     if ctx.precision == EXACT and spec.precision != EXACT:
         reasons.append(f"computes with fp8 q and probabilities (precision {spec.precision}); the config asks "
                        f"precision={EXACT}")
