@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .kernels.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, ROPE_DIM, SCALE_ARBITRARY
+from .kernels.layout import (BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, ROPE_DIM,
+                            SCALE_ARBITRARY)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Engine:
         -> how to switch it off.
     :param nope_layouts: the layout a ``--kv-cache-dtype`` gives a rope-less model instead (vLLM
         keeps fp8 rows 656 bytes wide, SGLang packs 528).
+    :param no_writer: layouts the kernels read that this engine never writes -> why (a refusal's text).
+    :param native_layout_notes: layout -> where the engine's own backends read it (a device refusal's fix).
     :param pooled_ids_align: for a pooled indexer (``index_kpool`` > 1) the engine hands the kernels
         ``index_topk + kpool - 1`` token ids a row (each pick's tokens plus the partial tail),
         rounded up to a multiple of this.
@@ -59,6 +62,8 @@ class Engine:
     auto_fp8_from_sm: int | None = None
     scale_format: str | None = None
     nope_layouts: Mapping[str, str] = field(default_factory=dict)
+    no_writer: Mapping[str, str] = field(default_factory=dict)
+    native_layout_notes: Mapping[str, str] = field(default_factory=dict)
     pooled_ids_align: int = 1
 
     def kv_layout(self, value: str | None, sm_family: int | None, rope: int = ROPE_DIM) -> str:
@@ -78,6 +83,10 @@ class Engine:
         wide = index_topk + index_kpool - 1
         return -(-wide // self.pooled_ids_align) * self.pooled_ids_align
 
+    def writer_missing(self, layout: str, rope: int) -> str | None:
+        """Why this engine never writes ``layout`` for a model with a ``rope``-wide rope, or None."""
+        return self.no_writer.get(layout) or (self.no_writer.get(f"{layout}@rope0") if rope == 0 else None)
+
     def spelling(self, layout: str) -> str:
         """The engine's own name for ``layout`` (its first spelling that means it)."""
         return next((word for word, meant in self.kv_spellings.items() if meant == layout), layout)
@@ -94,7 +103,7 @@ VLLM = Engine(
     label="vLLM",
     # vLLM calls the packed DSA layout fp8_ds_mla; its fp8/fp8_e4m3 are a plain fp8 cache, which
     # vLLM rewrites to fp8_ds_mla only for its in-tree backends (by name), never for CUSTOM.
-    kv_spellings={FP8_DS_MLA: FP8_DS_MLA, **_SHARED_SPELLINGS},
+    kv_spellings={FP8_DS_MLA: FP8_DS_MLA, NVFP4_DS_MLA: NVFP4_DS_MLA, **_SHARED_SPELLINGS},
     enable_flag="--attention-backend CUSTOM",
     fp8_flag=f"--kv-cache-dtype {FP8_DS_MLA}",
     bf16_flag="--kv-cache-dtype auto (or bfloat16)",
@@ -110,6 +119,12 @@ VLLM = Engine(
         "dcp": "set --decode-context-parallel-size 1",
     },
     nope_layouts={FP8_DS_MLA: FP8_DS_MLA_NOPE, BF16: BF16_NOPE},
+    # vLLM 0.33 writes nvfp4_ds_mla in its DSA models' fused_norm_rope only (DeepSeek-V3.2 geometry);
+    # its own reader, FLASHMLA_SPARSE, refuses it off SM100.
+    no_writer={NVFP4_DS_MLA + "@rope0": "vLLM writes nvfp4_ds_mla only for the DSA geometry (512 latent + 64 rope: "
+               "the DSA models' fused_norm_rope writer); a rope-less model (GLM-5.3-Flash) has no nvfp4 writer"},
+    native_layout_notes={NVFP4_DS_MLA: "vLLM's own FLASHMLA_SPARSE reads nvfp4_ds_mla on SM100 only; elsewhere pass "
+                         f"--kv-cache-dtype {FP8_DS_MLA}"},
     pooled_ids_align=128,  # the kpool indexer's buffer: round_up(2048 + 3, 128) = 2176 for GLM-5.3-Flash
 )
 
@@ -137,6 +152,8 @@ SGLANG = Engine(
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model
     nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
+    no_writer={NVFP4_DS_MLA: "SGLang 0.5.23 has no nvfp4_ds_mla cache writer (its DSA pool writes fp8_e4m3 "
+               "or bf16 rows; only vLLM's DSA writer fills the 352-byte nvfp4 rows)"},
     pooled_ids_align=1,  # 2048 + 3 = 2051 ids for GLM-5.3-Flash
 )
 

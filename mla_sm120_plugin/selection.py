@@ -333,6 +333,7 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
         "heads_per_rank": ctx.num_heads,
         "index_topk": ctx.index_topk,
         "kernels": dict(decision.kernels),
+        "capacity": capacity(ctx),
         "rejected": [
             {"kernel": r.kernel, "phase": r.phase, "reasons": list(r.reasons)} for r in decision.rejections
         ],
@@ -340,8 +341,42 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
     }
 
 
+GIB = 1 << 30
+
+
+def capacity(ctx: SelectionContext) -> dict[str, Any]:
+    """Cache tokens one GiB holds (per layer) in the context's layout, beside the engine's fp8 and bf16
+    layouts for the same model geometry: ``{"layouts": {name: {"token_bytes", "tokens_per_gib"}},
+    "ratio_vs": {name: this layout's tokens / that one's}}``."""
+    from .kernels.layout import BF16, FP8_DS_MLA
+
+    engine = ENGINES[ctx.engine]
+    names = [ctx.kv_cache_dtype] + [engine.kv_layout(base, ctx.device.sm_family, ctx.qk_rope_head_dim)
+                                    for base in (FP8_DS_MLA, BF16)]
+    rows = {name: {"token_bytes": LAYOUTS[name].token_bytes, "tokens_per_gib": GIB // LAYOUTS[name].token_bytes}
+            for name in dict.fromkeys(names) if name in LAYOUTS}
+    mine = rows.get(ctx.kv_cache_dtype)
+    ratios = {name: round(mine["tokens_per_gib"] / row["tokens_per_gib"], 2)
+              for name, row in rows.items() if mine and name != ctx.kv_cache_dtype}
+    return {"layouts": rows, "ratio_vs": ratios}
+
+
+def _capacity_line(ctx: SelectionContext) -> str:
+    cap = capacity(ctx)
+    parts = [f"{name} {row['tokens_per_gib']:,} ({row['token_bytes']} B)" for name, row in cap["layouts"].items()]
+    ratios = ", ".join(f"{ratio:.2f}x {name}" for name, ratio in cap["ratio_vs"].items())
+    return f"capacity   tokens per GiB of cache per layer: {'; '.join(parts)}" + (f" -> {ratios}" if ratios else "")
+
+
 def _bound(tokens: int | None) -> str:
     return "of any length" if tokens is None else f"<= {tokens} tokens"
+
+
+def _scales_word(ctx: SelectionContext, decision: Decision) -> str:
+    lay = LAYOUTS.get(ctx.kv_cache_dtype)
+    if lay is not None and lay.nvfp4:
+        return f"e4m3 per {lay.latent_format.block} values, fixed by the layout"
+    return decision.scale_format
 
 
 def explain(decision: Decision) -> str:
@@ -350,7 +385,8 @@ def explain(decision: Decision) -> str:
     lines = [
         f"model      {ctx.model_name or decision.profile.name} ({ctx.model_arch}, profile {decision.profile.name})",
         f"device     {ctx.device.describe()} [{ctx.device.source}]",
-        f"kv cache   {ctx.kv_cache_dtype} (scales: {decision.scale_format})",
+        f"kv cache   {ctx.kv_cache_dtype} (scales: {_scales_word(ctx, decision)})",
+        _capacity_line(ctx),
         f"precision  {ctx.precision} ("
         + ("fp8 q/p kernels allowed" if ctx.precision != EXACT else "bf16/fp32 operands only") + ")",
         f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "

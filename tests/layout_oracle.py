@@ -13,6 +13,13 @@ The rope-less rows of GLM-5.3-Flash (qk_rope_head_dim 0; a token is its 512 late
 fp8_ds_mla_nope, 656 bytes (vLLM): [0, 512) fp8 latent, [512, 528) four float32 scales, [528, 656)
 reserved, written as zeros and never a value; fp8_nope, 528 bytes (SGLang): the same first 528
 bytes, rows back to back; bf16_nope: 512 bfloat16 values.
+
+nvfp4_ds_mla, 352 bytes (vLLM 0.33's flashmla_sparse.py docstring and its DSA writer,
+models/deepseek_v32/common/kernels.py, MLA_CACHE_NVFP4): [0, 256) 512 e2m1 values two a byte, the
+even element in the low nibble; [256, 320) 64 e4m3fn rope values, unscaled; [320, 352) 32 e4m3fn
+scales, one per 16 latent values, the scale of block s at byte 320 + 8 * (s & 3) + (s >> 2).
+:func:`encode_nvfp4_row` is that writer's formula, value by value in Python floats: the writer
+itself (a Triton kernel with PTX ``cvt.rn.satfinite.e2m1x2.f32``) needs an sm_100a/sm_120a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ ROWS = {
     "fp8_ds_mla": (656, ROPE, True),
     "fp8_ds_mla_nope": (656, 0, True),
     "fp8_nope": (528, 0, True),
+    "nvfp4_ds_mla": (352, ROPE, False),
     "bf16": (2 * (LATENT + ROPE), ROPE, False),
     "bf16_nope": (2 * LATENT, 0, False),
 }
@@ -64,10 +72,77 @@ def nearest_e4m3(x: float) -> float:
     return min(_FINITE, key=lambda vb: (abs(vb[0] - x), vb[1] & 1))[0]  # a tie goes to the even mantissa
 
 
+NVFP4 = "nvfp4_ds_mla"
+FP4_ROPE_AT, FP4_SCALES_AT, FP4_BLOCK = 256, 320, 16
+
+
+def e2m1(code: int) -> float:
+    """The value of one e2m1 nibble: 1 sign, 2 exponent (bias 1), 1 mantissa bit; exponent 0 is
+    subnormal (0 or 0.5)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    exponent, mantissa = (code >> 1) & 0x3, code & 0x1
+    if exponent == 0:
+        return sign * mantissa * 0.5
+    return sign * (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+
+
+E2M1 = [e2m1(c) for c in range(16)]
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (nearest even), as the GPU's fp32 arithmetic stores a result."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def e4m3_byte(x: float) -> int:
+    """``cvt.rn.satfinite.e4m3``: the byte of the nearest e4m3fn value (ties to the even mantissa),
+    +-448 past the range."""
+    x = max(-448.0, min(448.0, x))
+    return min(_FINITE, key=lambda vb: (abs(vb[0] - x), vb[1] & 1, vb[1] >> 7 != (math.copysign(1.0, x) < 0)))[1]
+
+
+def e2m1_code(x: float) -> int:
+    """``cvt.rn.satfinite.e2m1``: the nibble of the nearest e2m1 magnitude (ties to the even
+    mantissa), 6 past the range, and x's sign bit (so -0.0 and small negatives give -0, code 8)."""
+    mag = min(abs(x), 6.0)
+    code = min(range(8), key=lambda c: (abs(E2M1[c] - mag), c & 1))
+    return code | (8 if math.copysign(1.0, x) < 0 else 0)
+
+
+def scale_at(block: int) -> int:
+    """The byte of block ``block``'s scale in an nvfp4_ds_mla row."""
+    return FP4_SCALES_AT + 8 * (block & 3) + (block >> 2)
+
+
+def encode_nvfp4_row(values: list[float]) -> bytes:
+    """vLLM's writer for one token (576 float32-representable values: 512 latent, 64 rope), from its
+    formula: per 16 values ``sf = e4m3(max(f32(amax * f32(1/6)), 2**-9))``, ``q = f32(x * f32(1/sf))``,
+    nibble = e2m1(q); rope = e4m3(x)."""
+    assert len(values) == LATENT + ROPE
+    row = bytearray(352)
+    one_sixth = f32(1.0 / 6.0)
+    for block in range(LATENT // FP4_BLOCK):
+        chunk = values[block * FP4_BLOCK:(block + 1) * FP4_BLOCK]
+        amax = max(abs(v) for v in chunk)
+        scale_byte = e4m3_byte(max(f32(amax * one_sixth), 2.0**-9))
+        row[scale_at(block)] = scale_byte
+        recip = f32(1.0 / E4M3FN[scale_byte])
+        for i, v in enumerate(chunk):
+            element = block * FP4_BLOCK + i
+            row[element // 2] |= e2m1_code(f32(v * recip)) << (4 * (element % 2))
+    for i, v in enumerate(values[LATENT:]):
+        row[FP4_ROPE_AT + i] = e4m3_byte(v)
+    return bytes(row)
+
+
 def decode_row(row: bytes, layout: str) -> list[float]:
     """One cached token as its values: 512 latent, then the rope where the layout has one (576)."""
     width, rope, fp8 = ROWS[layout]
     assert len(row) == width, (layout, len(row))
+    if layout == NVFP4:
+        latent = [E2M1[(row[i // 2] >> (4 * (i % 2))) & 0xF] * E4M3FN[row[scale_at(i // FP4_BLOCK)]]
+                  for i in range(LATENT)]
+        return latent + [E4M3FN[b] for b in row[FP4_ROPE_AT:FP4_ROPE_AT + rope]]
     if fp8:
         scales = struct.unpack("<4f", row[SCALES_AT:SCALES_AT + 16])
         latent = [E4M3FN[row[i]] * scales[i // TILE] for i in range(LATENT)]

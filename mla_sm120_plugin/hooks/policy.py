@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..engines import ENGINES
-from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, ROPE_DIM
+from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, NVFP4_DS_MLA, ROPE_DIM
 from ..types import ModelProfile, Refusal, SelectionContext
 from .specs import hookimpl
 
@@ -43,6 +43,9 @@ def _device_refusal(ctx: SelectionContext) -> Refusal | None:
         label = f"sm_{dev.sm_major}{dev.sm_minor}"
         fix = (f"on {label} serve without this plugin: drop {engine.enable_flag}; {engine.label}'s own sparse-MLA "
                f"backends serve DSA models there ({engine.own_backends(dev.sm_family)})")
+        note = engine.native_layout_notes.get(ctx.kv_cache_dtype)
+        if note:
+            fix += f" ({note})"
         return Refusal(f"device {label}: this plugin serves SM12x only", SERVED_DEVICE, fix)
     where = "a ROCm GPU" if dev.vendor == "amd" else "no GPU (CPU)"
     return Refusal(
@@ -77,6 +80,8 @@ def _geometry_refusal(ctx: SelectionContext) -> Refusal | None:
             "is its own (a copied config edited by hand?)",
         )
     cache = LAYOUTS.get(ctx.kv_cache_dtype)
+    if ENGINES[ctx.engine].writer_missing(ctx.kv_cache_dtype, ctx.qk_rope_head_dim):
+        return None  # refused already, with the reason the engine has no writer for it
     if cache is not None and cache.rope != ctx.qk_rope_head_dim:
         engine = ENGINES[ctx.engine]
         meant = engine.kv_layout(ctx.kv_cache_dtype_given, ctx.device.sm_family, ctx.qk_rope_head_dim)
@@ -104,6 +109,17 @@ def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> I
             f"{engine.spelling(FP8_DS_MLA)} (656 B a token: fp8 latent + fp32 scales + bf16 rope) or "
             f"{engine.spelling(BF16)}",
             kv_dtype_fix(spelled, ctx.engine),
+        )
+    elif engine.writer_missing(ctx.kv_cache_dtype, ctx.qk_rope_head_dim):
+        spelled = ctx.kv_cache_dtype_given or ctx.kv_cache_dtype
+        yield Refusal(
+            f"kv_cache_dtype {spelled}: {engine.writer_missing(ctx.kv_cache_dtype, ctx.qk_rope_head_dim)}",
+            f"the layouts {engine.label} writes for this model: "
+            + " or ".join(f"{engine.spelling(w)} ({engine.kv_layout(w, ctx.device.sm_family, ctx.qk_rope_head_dim)} rows)"
+                          for w in (FP8_DS_MLA, BF16)),
+            kv_dtype_fix(spelled, ctx.engine)
+            + ("" if ctx.engine == "vllm" else "; the 352-byte nvfp4 cache is served with vLLM "
+               f"({ENGINES['vllm'].enable_flag} --kv-cache-dtype {NVFP4_DS_MLA})"),
         )
     for feature in sorted(ctx.features):
         yield Refusal(

@@ -53,6 +53,7 @@ def sparse_mla_forward(
     "fp8_ds_mla"        576   656 uint8: 512 fp8 latent, 4 fp32 scales, 64 bf16 rope (DSA models)
     "fp8_ds_mla_nope"   512   656 uint8: 512 fp8 latent, 4 fp32 scales, 128 reserved (vLLM, rope-less)
     "fp8_nope"          512   528 uint8: 512 fp8 latent, 4 fp32 scales (SGLang, rope-less)
+    "nvfp4_ds_mla"      576   352 uint8: 512 e2m1 latent, 64 e4m3 rope, 32 e4m3 block scales (vLLM)
     "bf16"              576   576 bfloat16
     "bf16_nope"         512   512 bfloat16 (rope-less)
     ==================  ====  ====================================================================

@@ -13,7 +13,7 @@ from typing import Iterator
 from ..hooks.specs import hookimpl
 from ..types import DECODE, FAST, PREFILL, DeviceInfo, KernelSpec, ModelProfile, SelectionContext
 from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
-from .layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE
+from .layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
 
 FLASHINFER = "flashinfer_sparse_mla"
 TRITON_FAST = "triton_sparse_mla_fast"
@@ -114,6 +114,9 @@ FLASHINFER_SPEC = KernelSpec(
 TRITON_FAST_SPEC = KernelSpec(
     name=TRITON_FAST,
     phases=frozenset({PREFILL, DECODE}),
+    # Not nvfp4_ds_mla: its 16-value e4m3 block scales are not the e8m0-per-32 scales tl.dot_scaled
+    # takes, so the exact kernel (which dequantizes e2m1 x e4m3 exactly into bf16) serves it, under
+    # precision "fast" too.
     kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE}),
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
@@ -129,7 +132,7 @@ TRITON_FAST_SPEC = KernelSpec(
 TRITON_SPEC = KernelSpec(
     name=TRITON,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, BF16, BF16_NOPE}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, BF16, BF16_NOPE}),
     # "cpu" only through Triton's interpreter (the probe checks TRITON_INTERPRET=1).
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
@@ -139,14 +142,16 @@ TRITON_SPEC = KernelSpec(
     graph_safe=True,
     description="portable Triton kernel, split-K decode, in-kernel fp8 dequant",
     # bf16 dot operands on a GPU (probabilities rounded to 8 bits): 0.4-0.7 % measured on an H200,
-    # plus the bf16 output's own rounding (<= 0.4 %); a wrong scale is off by far more.
+    # plus the bf16 output's own rounding (<= 0.4 %); a wrong scale is off by far more. The same for
+    # nvfp4_ds_mla: its dequantized keys and values (e2m1 x e4m3 block scale, <= 5 significant bits;
+    # e4m3 rope) are exact in bf16, so only q and the probabilities round, as for the other layouts.
     tolerance=2e-2,
 )
 
 TORCH_SPEC = KernelSpec(
     name=TORCH,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, BF16, BF16_NOPE}),
+    kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, BF16, BF16_NOPE}),
     vendors=frozenset({"nvidia", "amd", "cpu"}),
     priority=100,
     entry="mla_sm120_plugin.kernels.reference:torch_sparse_mla",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels import layout, nvfp4
 
 # An all-zero tile has amax 0, so `amax / 448` would be a zero scale and `x / scale` 0/0. Any
 # nonzero scale stores such a tile exactly (every fp8 value is 0), so we store 1.0: a readable,
@@ -48,7 +48,10 @@ def _tile_scales(amax: torch.Tensor, scale_format: str) -> torch.Tensor:
 def describe(kv_layout: str) -> str:
     """One layout in words, from its data: ``fp8_nope (528 B: 512 fp8 latent + 4 fp32 scales, no rope)``."""
     lay = layout.LAYOUTS[kv_layout]
-    if lay.fp8:
+    if lay.nvfp4:
+        parts = (f"{lay.latent} e2m1 latent + {lay.rope} e4m3 rope + {lay.num_scales} e4m3 scales, "
+                 f"one per {lay.latent_format.block}")
+    elif lay.fp8:
         parts = f"{lay.latent} fp8 latent + {lay.latent // layout.FP8_TILE} fp32 scales"
         parts += f" + {lay.rope} bf16 rope" if lay.rope else ", no rope"
         if lay.row > lay.used:
@@ -113,12 +116,16 @@ def pack(latent: torch.Tensor, kv_layout: str, scale_format: str | None = None) 
     [528, 656)) are written as zeros. Non-finite inputs give non-finite scales; they are not checked.
 
     latent: [N, layout.head_dim], bfloat16 or float32 (the latent, then the rope if any)
-    scale_format: "pow2" or "arbitrary"; required for fp8 layouts, ignored for bf16 ones
+    nvfp4 layout: vLLM's writer, bit for bit (:func:`.nvfp4.pack_rows`); its scale format is fixed.
+
+    scale_format: "pow2" or "arbitrary"; required for fp8 layouts, ignored for nvfp4 and bf16 ones
     returns: [N, layout.row], uint8 (fp8 layouts) or bfloat16, contiguous
     """
     lay = get_layout(kv_layout)
     _check_latent(latent, lay)
     n = latent.shape[0]
+    if lay.nvfp4:
+        return nvfp4.pack_rows(latent, lay)
     if not lay.fp8:
         rows = torch.zeros(n, lay.row, dtype=torch.bfloat16, device=latent.device)  # [N, row]
         rows[:, : lay.head_dim] = latent.to(torch.bfloat16)
@@ -142,9 +149,10 @@ def pack(latent: torch.Tensor, kv_layout: str, scale_format: str | None = None) 
 
 def dequantize(rows: torch.Tensor, kv_layout: str) -> torch.Tensor:
     """Cached rows of ``kv_layout`` as fp32 values: ``fp8 * scale`` for the latent of fp8 layouts,
-    the rope (if any) and bf16 values widened; reserved bytes are never read.
+    ``e2m1 * e4m3 block scale`` for nvfp4 (exact in fp32); the rope (if any) and bf16 values widened;
+    reserved bytes are never read.
 
-    rows: [..., layout.row], uint8 (fp8 layouts) or bfloat16 (any strides; the last dim need not be
+    rows: [..., layout.row], uint8 (fp8 and nvfp4 layouts) or bfloat16 (any strides; the last dim need not be
         contiguous)
     returns: [..., layout.head_dim], float32
     """
@@ -157,8 +165,10 @@ def dequantize(rows: torch.Tensor, kv_layout: str) -> torch.Tensor:
                 fix=f"pass rows of the {kv_layout} cache, or the kv_layout they were written in",
             )
         )
-    if not lay.fp8:
+    if not lay.quantized:
         return rows[..., : lay.head_dim].float()  # [..., head_dim]
+    if lay.nvfp4:
+        return nvfp4.dequantize_rows(rows, lay)
     lead = rows.shape[:-1]
     tiles = lay.latent // layout.FP8_TILE
     values = torch.empty(*lead, lay.head_dim, dtype=torch.float32, device=rows.device)  # [..., head_dim]
@@ -208,7 +218,7 @@ _TORCH_DTYPES = {layout.UINT8: torch.uint8, layout.BFLOAT16: torch.bfloat16}
 
 
 def token_width(kv_layout: str) -> int:
-    """Last-dim size of a cache in ``kv_layout``: bytes for fp8 layouts, elements for bf16 ones."""
+    """Last-dim size of a cache in ``kv_layout``: bytes for uint8 layouts, elements for bf16 ones."""
     return get_layout(kv_layout).row
 
 

@@ -115,18 +115,24 @@ def launch_config(num_tokens: int, num_heads: int, topk: int, family: str = plan
 
 def layout_constexprs(kv_layout: str) -> dict:
     """The constexpr arguments a kernel takes from the layout ``kv_layout`` (its data, never a
-    per-layout branch): ``IS_FP8``, ``ROPE`` (rope width, 0 for a rope-less layout) and ``ROPE_OFF``
-    (where the rope starts: a byte offset in fp8 rows, an element offset in bf16 rows).
+    per-layout branch): ``IS_FP8`` (fp8 latent, fp32 tile scales, bf16 rope), ``IS_FP4`` (e2m1 latent,
+    e4m3 block scales at ``SCALE_OFF``, e4m3 rope), ``ROPE`` (rope width, 0 for a rope-less layout)
+    and ``ROPE_OFF`` (where the rope starts: a byte offset in uint8 rows, an element offset in bf16
+    rows). Only the exact kernel takes ``IS_FP4`` and ``SCALE_OFF``.
 
     :raises ValueError: a layout the kernels' structure cannot read (a latent other than four
-        128-wide tiles with the scales right after it, or a rope width that is not a power of two).
+        128-wide tiles with fp8 scales right after it or nvfp4 scales in 16-value blocks, or a rope
+        width that is not a power of two).
     """
     lay = layout.get(kv_layout)
     if (lay.latent != layout.KV_LORA_RANK or (lay.fp8 and lay.scale_offset != layout.FP8_SCALE_OFFSET)
+            or (lay.nvfp4 and lay.num_scales != layout.KV_LORA_RANK // layout.NVFP4_BLOCK)
             or (lay.rope and lay.rope & (lay.rope - 1))):
         raise ValueError(f"the Triton kernels read a {layout.KV_LORA_RANK}-wide latent in {layout.FP8_TILE}-wide tiles, "
-                         f"scales at byte {layout.FP8_SCALE_OFFSET}, and a power-of-two rope; {lay} is not that")
-    return dict(IS_FP8=lay.fp8, ROPE=lay.rope, ROPE_OFF=lay.rope_offset if lay.rope else 0)
+                         f"fp8 scales at byte {layout.FP8_SCALE_OFFSET} or nvfp4 scales per {layout.NVFP4_BLOCK} values, "
+                         f"and a power-of-two rope; {lay} is not that")
+    return dict(IS_FP8=lay.fp8, IS_FP4=lay.nvfp4, ROPE=lay.rope, ROPE_OFF=lay.rope_offset if lay.rope else 0,
+                SCALE_OFF=lay.scale_offset if lay.nvfp4 else 0)
 
 
 def launch_variants() -> list[LaunchConfig]:
@@ -165,6 +171,56 @@ def _kv_tile(kv_ptr, row_off, valid, cols):
 def _kv_tile_t(kv_ptr, row_off, valid, cols):
     """The same elements transposed: [width, BLOCK_K], candidates along the columns."""
     return tl.load(kv_ptr + row_off[None, :] + cols[:, None], mask=valid[None, :], other=0.0)
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32 0..15) as fp32, by their bit fields: sign bit 3, exponent bits 2-1 (bias 1),
+    mantissa bit 0; exponent 0 is 0 or 0.5. Exact, no table."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(kv_u8, kv_e4m3, row_off, valid, cols, SCALE_OFF: tl.constexpr, TRANS: tl.constexpr):
+    """Latent elements ``cols`` of each candidate of an nvfp4 row, dequantized (e2m1 x its 16-value
+    block's e4m3 scale, exact in fp32 and in bf16): [BLOCK_K, width] fp32, or [width, BLOCK_K] with
+    ``TRANS``; 0 when invalid. Element c is nibble c % 2 of byte c // 2; block b's scale is byte
+    ``SCALE_OFF + 8 * (b % 4) + b // 4``."""
+    blk = cols // 16
+    if TRANS:
+        byte = tl.load(kv_u8 + row_off[None, :] + (cols // 2)[:, None], mask=valid[None, :], other=0)
+        shift = ((cols % 2) * 4)[:, None]
+        sf = tl.load(kv_e4m3 + row_off[None, :] + (SCALE_OFF + 8 * (blk % 4) + blk // 4)[:, None],
+                     mask=valid[None, :], other=0.0)
+    else:
+        byte = tl.load(kv_u8 + row_off[:, None] + (cols // 2)[None, :], mask=valid[:, None], other=0)
+        shift = ((cols % 2) * 4)[None, :]
+        sf = tl.load(kv_e4m3 + row_off[:, None] + (SCALE_OFF + 8 * (blk % 4) + blk // 4)[None, :],
+                     mask=valid[:, None], other=0.0)
+    return _e2m1((byte.to(tl.int32) >> shift) & 0xF) * sf.to(tl.float32)
+
+
+@triton.jit
+def _lat_tile(kv_lat, kv_e4m3, row_off, valid, cols, IS_FP4: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Value tile: latent elements ``cols`` of each candidate, [BLOCK_K, width] (cache dtype, or fp32 for nvfp4)."""
+    if IS_FP4:
+        t = _fp4_tile(kv_lat, kv_e4m3, row_off, valid, cols, SCALE_OFF, False)
+    else:
+        t = _kv_tile(kv_lat, row_off, valid, cols)
+    return t
+
+
+@triton.jit
+def _lat_tile_t(kv_lat, kv_e4m3, row_off, valid, cols, IS_FP4: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Key tile: the same elements transposed, [width, BLOCK_K]."""
+    if IS_FP4:
+        t = _fp4_tile(kv_lat, kv_e4m3, row_off, valid, cols, SCALE_OFF, True)
+    else:
+        t = _kv_tile_t(kv_lat, row_off, valid, cols)
+    return t
 
 
 @triton.jit
@@ -244,8 +300,8 @@ def _sparse_mla_kernel(
     out_ptr, out_stride_t, out_stride_s, out_stride_h,
     lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h, write_lse, lse_scale,
     num_heads, qk_scale_log2, blocks_per_split,
-    IS_FP8: tl.constexpr, ROPE: tl.constexpr, ROPE_OFF: tl.constexpr,
-    FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
+    IS_FP8: tl.constexpr, IS_FP4: tl.constexpr, ROPE: tl.constexpr, ROPE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, FINAL: tl.constexpr, DOT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (token, head block, split) program. FINAL: write the output (one split) or partials.
@@ -266,6 +322,10 @@ def _sparse_mla_kernel(
         kv_lat = kv_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
         kv_f32 = kv_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
         kv_rope = kv_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    elif IS_FP4:
+        kv_lat = kv_ptr  # uint8: two e2m1 nibbles a byte
+        kv_f32 = kv_ptr  # never read: the block scales are e4m3, read with the latent
+        kv_rope = kv_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)  # the rope and the scales
     else:
         kv_lat = kv_ptr
         kv_f32 = kv_ptr  # never read: bf16 caches have no scales
@@ -302,17 +362,19 @@ def _sparse_mla_kernel(
 
         sc0, sc1, sc2, sc3 = _tile_scales(kv_f32, row_off, valid, IS_FP8, BLOCK_K)
         s = _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col),
-                 _kv_tile_t(kv_lat, row_off, valid, col), DOT_BF16) * sc0[None, :]
+                 _lat_tile_t(kv_lat, kv_rope, row_off, valid, col, IS_FP4, SCALE_OFF), DOT_BF16) * sc0[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE),
-                  _kv_tile_t(kv_lat, row_off, valid, col + _TILE), DOT_BF16) * sc1[None, :]
+                  _lat_tile_t(kv_lat, kv_rope, row_off, valid, col + _TILE, IS_FP4, SCALE_OFF), DOT_BF16) * sc1[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE),
-                  _kv_tile_t(kv_lat, row_off, valid, col + 2 * _TILE), DOT_BF16) * sc2[None, :]
+                  _lat_tile_t(kv_lat, kv_rope, row_off, valid, col + 2 * _TILE, IS_FP4, SCALE_OFF), DOT_BF16) * sc2[None, :]
         s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE),
-                  _kv_tile_t(kv_lat, row_off, valid, col + 3 * _TILE), DOT_BF16) * sc3[None, :]
+                  _lat_tile_t(kv_lat, kv_rope, row_off, valid, col + 3 * _TILE, IS_FP4, SCALE_OFF), DOT_BF16) * sc3[None, :]
         if ROPE > 0:  # a rope-less layout (GLM-5.3-Flash) has no rope tile: not even its code
             rope_col = tl.arange(0, ROPE)
             if IS_FP8:
                 rope = _kv_tile(kv_rope, (row_off + ROPE_OFF) // 2, valid, rope_col)
+            elif IS_FP4:
+                rope = _kv_tile(kv_rope, row_off + ROPE_OFF, valid, rope_col)  # e4m3, unscaled
             else:
                 rope = _kv_tile(kv_rope, row_off + ROPE_OFF, valid, rope_col)
             s += _dot(_q_tile(q_ptr, q_row, heads, h_mask, q_stride_h, rope_col + _NOPE), tl.trans(rope), DOT_BF16)
@@ -327,10 +389,10 @@ def _sparse_mla_kernel(
         m_i = m_new
 
         # The fp8 scale goes on p's columns, so the value tiles stay exact in bf16.
-        acc0 = acc0 * alpha[:, None] + _dot(p * sc0[None, :], _kv_tile(kv_lat, row_off, valid, col), DOT_BF16)
-        acc1 = acc1 * alpha[:, None] + _dot(p * sc1[None, :], _kv_tile(kv_lat, row_off, valid, col + _TILE), DOT_BF16)
-        acc2 = acc2 * alpha[:, None] + _dot(p * sc2[None, :], _kv_tile(kv_lat, row_off, valid, col + 2 * _TILE), DOT_BF16)
-        acc3 = acc3 * alpha[:, None] + _dot(p * sc3[None, :], _kv_tile(kv_lat, row_off, valid, col + 3 * _TILE), DOT_BF16)
+        acc0 = acc0 * alpha[:, None] + _dot(p * sc0[None, :], _lat_tile(kv_lat, kv_rope, row_off, valid, col, IS_FP4, SCALE_OFF), DOT_BF16)
+        acc1 = acc1 * alpha[:, None] + _dot(p * sc1[None, :], _lat_tile(kv_lat, kv_rope, row_off, valid, col + _TILE, IS_FP4, SCALE_OFF), DOT_BF16)
+        acc2 = acc2 * alpha[:, None] + _dot(p * sc2[None, :], _lat_tile(kv_lat, kv_rope, row_off, valid, col + 2 * _TILE, IS_FP4, SCALE_OFF), DOT_BF16)
+        acc3 = acc3 * alpha[:, None] + _dot(p * sc3[None, :], _lat_tile(kv_lat, kv_rope, row_off, valid, col + 3 * _TILE, IS_FP4, SCALE_OFF), DOT_BF16)
 
     has_any = l_i > 0.0
     inv_l = tl.where(has_any, 1.0 / tl.where(has_any, l_i, 1.0), 0.0)[:, None]

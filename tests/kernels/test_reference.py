@@ -107,6 +107,8 @@ def test_invalid_slots_are_never_read(make_case, kv_layout):
     if layout.get(kv_layout).fp8:
         rows[:, : layout.KV_LORA_RANK] = 0x7F  # fp8 e4m3 NaN
         rows[:, layout.FP8_SCALE_OFFSET : layout.FP8_ROPE_OFFSET] = 0xFF  # fp32 NaN
+    elif layout.get(kv_layout).nvfp4:
+        rows[:, 256:] = 0x7F  # e4m3 NaN: every rope value and every block scale (e2m1 has no NaN)
     else:
         rows[:] = float("nan")
     poisoned.view(-1, poisoned.shape[-1])[~referenced] = rows

@@ -116,6 +116,8 @@ def test_invalid_slots_are_never_read(make_case, kv_layout):
     if layout.get(kv_layout).fp8:
         poison[:, : layout.KV_LORA_RANK] = 0x7F  # fp8 e4m3 NaN
         poison[:, layout.FP8_SCALE_OFFSET:] = 0xFF  # NaN scales, rope or reserved bytes
+    elif layout.get(kv_layout).nvfp4:
+        poison[:, layout.get(kv_layout).rope_offset:] = 0x7F  # e4m3 NaN rope and block scales
     else:
         poison[:] = float("nan")
     rows[~referenced] = poison
