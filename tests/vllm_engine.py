@@ -133,6 +133,20 @@ def common_metadata(q_lens: list[int], seq_lens: list[int], block_table: list[li
     return cam
 
 
+def kv_cache_spec(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, *, head_size: int = 576):
+    """The layer's KV cache spec as vLLM makes it: ``MLAAttention.get_kv_cache_spec`` (vLLM's own
+    code: it sizes the ds_mla rows, 656 or 352 bytes, by ``kv_cache_dtype``), then the plugin
+    backend's ``customize_spec``, as vLLM's KV cache manager applies it."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
+
+    layer = types.SimpleNamespace(kv_cache_dtype=kv_cache_dtype, head_size=head_size, sliding_window=None,
+                                  topk_buffer_width=topk, indexer=object(), non_causal_multi_token_decode=False)
+    with set_current_vllm_config(vllm_config):
+        return MlaSm120Backend.customize_spec(MLAAttention.get_kv_cache_spec(layer, vllm_config))
+
+
 def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam, *, page: int = 64,
                    head_size: int = 576):
     """vLLM's own metadata builder (the plugin's subclass) on ``cam``, for one layer (``head_size``:
@@ -141,12 +155,12 @@ def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam,
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 
-    fp8 = kv_cache_dtype == "fp8_ds_mla"
+    byte_rows = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(kv_cache_dtype)
     vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
     spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
-        block_size=page, num_kv_heads=1, head_size=head_size, dtype=torch.uint8 if fp8 else torch.bfloat16,
+        block_size=page, num_kv_heads=1, head_size=head_size, dtype=torch.uint8 if byte_rows else torch.bfloat16,
         cache_dtype_str=kv_cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
-        state_content_bytes=656 if fp8 else None, topk_buffer_width=topk, is_index_group_leader=True,
+        state_content_bytes=byte_rows, topk_buffer_width=topk, is_index_group_leader=True,
     ))
     with set_current_vllm_config(vllm_config):
         builder = MlaSm120Backend.get_builder_cls()(spec, [LAYER], vllm_config, torch.device("cpu"))

@@ -17,7 +17,8 @@ Triton bundles:
   target at the variant's warps (:data:`SM_LIMITS`), with ``ctas_limited_by`` naming the limit.
 
 The gate (:func:`gate_failures`): every variant compiles, without spills, within a block's shared
-memory; a fast fp8 variant (``kernel=sparse_mla_fast``) compiled for sm_120a/sm_121a must also run
+memory (spills of a variant whose caches are served only on other arches, :data:`SERVED_ONLY_ON`,
+are reported but do not fail that arch); a fast fp8 variant (``kernel=sparse_mla_fast``) compiled for sm_120a/sm_121a must also run
 its latent dots as fp8 MMAs (``QMMA``) and fit at least two CTAs per SM.
 
 Used by ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite.
@@ -53,6 +54,11 @@ _RESERVED_SHARED_PER_CTA = 1_024
 FAST_KERNEL = "sparse_mla_fast"  # the variants the fp8 rules apply to (their describe's kernel=)
 FP8_MMA_ARCHES = (120, 121)  # where a fast variant must show QMMA and two CTAs per SM
 MIN_FAST_CTAS_PER_SM = 2
+# Layouts the plugin serves on some arches only -> those arches. nvfp4_ds_mla: the policy serves it
+# on SM12x alone (vLLM reads it with FlashMLA on SM100 and nowhere else); on sm_90a its exact-kernel
+# variants compile but spill (255 registers, 4-24 bytes: the e2m1 decode's extra live values), a cost
+# no served configuration pays.
+SERVED_ONLY_ON = {layout.NVFP4_DS_MLA: (120, 121)}
 _REPRESENTATIVE_TOKENS = 4  # strides below come from a [4, H, 576] q; any T > 1 specializes the same
 _REPRESENTATIVE_HEADS = 40  # not a multiple of 16, so head strides specialize as in the worst case
 
@@ -263,7 +269,9 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
         if not r["compiled"]:
             failures.append(f"{r['variant']}: does not compile: {r['error']}")
             continue
-        if r["spill_bytes"] or r["stack_bytes"] or r["local_bytes"]:
+        caches = str(r.get("cache", "")).split("+")
+        served = all(arch in SERVED_ONLY_ON.get(c, (arch,)) for c in caches)
+        if served and (r["spill_bytes"] or r["stack_bytes"] or r["local_bytes"]):
             failures.append(f"{r['variant']}: spills ({r['spill_bytes']} B spilled, {r['stack_bytes']} B stack)")
         if r["shared_bytes"] > ARCHES[arch]:
             failures.append(f"{r['variant']}: {r['shared_bytes']} B of shared memory > {ARCHES[arch]} B a block")

@@ -33,7 +33,10 @@ def test_every_variant_compiles_without_spills_within_shared_memory(gate):
     failed = [(v["variant"], v["error"]) for v in gate["variants"] if not v["compiled"]]
     assert not failed, failed
     for v in gate["variants"]:
-        assert v["spill_bytes"] == 0 and v["stack_bytes"] == 0 and v["local_bytes"] == 0, v
+        served_here = all(gate["arch"] in compile_gate.SERVED_ONLY_ON.get(c, (gate["arch"],))
+                          for c in v.get("cache", "").split("+"))
+        if served_here:  # nvfp4_ds_mla spills on sm_90a, where the plugin never serves it
+            assert v["spill_bytes"] == 0 and v["stack_bytes"] == 0 and v["local_bytes"] == 0, v
         assert 0 < v["registers"] <= 255 and v["cubin_registers"] == v["registers"], v
         assert v["shared_bytes"] <= gate["shared_limit_bytes"], v
         assert v["ctas_per_sm"] >= 1 and v["ctas_limited_by"], v
@@ -102,6 +105,10 @@ def test_gate_rules_fail_what_they_should():
         assert compile_gate.gate_failures(120, [{**good, **change}]), what
     # sm_90a has no fp8 mma.sync and its own occupancy: only the general rules apply there.
     assert compile_gate.gate_failures(90, [{**good, "mma": {"HMMA.16816.F32.BF16": 52}, "ctas_per_sm": 1}]) == []
+    # A layout served on SM12x only (nvfp4_ds_mla): its spills fail sm_120a/121a, not sm_90a.
+    nv = {**good, "kernel": "sparse_mla", "cache": layout.NVFP4_DS_MLA, "spill_bytes": 8, "stack_bytes": 8}
+    assert compile_gate.gate_failures(120, [nv]) and compile_gate.gate_failures(121, [nv])
+    assert compile_gate.gate_failures(90, [nv]) == []
 
 
 def test_ctas_per_sm_takes_the_tightest_limit():

@@ -139,7 +139,9 @@ class MlaSm120Backend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
     # fp8/fp8_e4m3 are absent on purpose: without vLLM's name-keyed rewrite they mean the plain
     # fp8 layout, which no kernel here reads (validate_configuration names the right flag).
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["fp8_ds_mla", "auto", "bfloat16"]
+    # nvfp4_ds_mla: vLLM's DSA writer fills its 352-byte rows (MLAAttention sizes the spec by the
+    # name); the policy refuses it for a rope-less model, which has no nvfp4 writer.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["fp8_ds_mla", "nvfp4_ds_mla", "auto", "bfloat16"]
 
     @staticmethod
     def get_name() -> str:
@@ -250,7 +252,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         q: ([N, H, 512], [N, H, 64]) bfloat16 (ql_nope may be a strided view) or packed [N, H, 576];
             for a rope-less model (GLM-5.3-Flash) ([N, H, 512], [N, H, 0])
         kv_c_and_k_pe_cache: [num_blocks, block_size, 656] uint8 (fp8_ds_mla, with or without the
-            rope part) or [num_blocks, block_size, 576 or 512] bfloat16; block stride may exceed
+            rope part), [num_blocks, block_size, 352] uint8 (nvfp4_ds_mla) or
+            [num_blocks, block_size, 576 or 512] bfloat16; block stride may exceed
             block_size rows
         returns: (out [N, H, 512] in q's dtype, None)
 
