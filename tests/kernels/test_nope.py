@@ -371,7 +371,7 @@ def test_catalog_lists_the_layouts_each_kernel_reads():
 REFUSED = {
     # what, argument, make(q, cache) -> (q, cache, kv_layout), a phrase of the fix
     "576-wide q for a rope-less cache": ("q", lambda q, c: (torch.zeros(*q.shape[:2], 576, dtype=q.dtype), c, "fp8_nope"),
-                                         "fp8_ds_mla / bf16 take a 576-wide q"),
+                                         "fp8_ds_mla / nvfp4_ds_mla / bf16 take a 576-wide q"),
     "512-wide q for the DSA layout": ("q", lambda q, c: (q, torch.zeros(2, 64, 656, dtype=torch.uint8), "fp8_ds_mla"),
                                       "fp8_ds_mla_nope / fp8_nope / bf16_nope take a 512-wide q"),
     "656-byte rows named fp8_nope": ("kv_cache", lambda q, c: (q, torch.zeros(2, 64, 656, dtype=torch.uint8), "fp8_nope"),
