@@ -678,7 +678,7 @@ def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_sc
         return (out, lse) if return_lse else out
     interpret = _interpreting() or device.type == "cpu"
     family = plan.DEFAULT_FAMILY if device.type != "cuda" else _family(device.index or 0)
-    cfg = config or plan.launch_config(kernel.name, num_tokens, num_heads, indices.shape[1], family)
+    cfg = config or plan.launch_config(kernel.name, num_tokens, num_heads, indices.shape[1], family, kv_layout)
     for launch in make_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
                             sink=sink, out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret):
         launch.run()

@@ -41,9 +41,9 @@ blocks are L2 hits in practice, so this is an upper bound -, q once per program,
 (plus the one step each split prefetches past its end), partials written and read back, and the
 output; the minimum is cache rows + q + indices + output once. At T=64, 4-16 heads, top-k 2048 the
 rule keeps the plan within 1.2x of the minimum; at T=1, 8-16 heads, its partials stay below the
-cache bytes. The table itself is chosen once per kernel and family on the ``fp8_ds_mla`` model (the
-DSA rows, the most common); a rope-less layout's rows are 20 % smaller, which moves no split count
-at the acceptance shapes (tests/kernels/test_traffic.py checks the bounds on every layout).
+cache bytes. The table is chosen once per kernel, family and cache layout: the bytes a row costs
+(656 fp8_ds_mla, 528 rope-less fp8, 352 nvfp4_ds_mla, 1152/1024 bf16) move the byte budget, so
+smaller rows get fewer splits (tests/kernels/test_traffic.py checks the bounds on every layout).
 """
 
 from __future__ import annotations
@@ -235,18 +235,19 @@ def _split(kernel: KernelShape, topk: int, chunk: int) -> LaunchConfig:
 
 
 def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_heads: int,
-                 topk: int) -> tuple[int, str]:
-    """Candidates per split for this shape, by the rule in the module docstring, and why."""
+                 topk: int, kv_layout: str = layout.FP8_DS_MLA) -> tuple[int, str]:
+    """Candidates per split for this shape over a ``kv_layout`` cache, by the rule in the module
+    docstring, and why."""
     blocks = _cdiv(max(topk, 1), kernel.block_k)
     programs = num_tokens * _cdiv(num_heads, kernel.block_h)
     slots = family.num_sms * kernel.ctas_per_sm[family.name]
     wave = min(_cdiv(slots, programs), blocks, MAX_SPLITS)
-    unsplit = traffic(kernel.config(), num_tokens, num_heads, topk)
+    unsplit = traffic(kernel.config(), num_tokens, num_heads, topk, kv_layout=kv_layout)
     budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
     splits, cfg = 1, kernel.config(1, blocks)
     for wanted in range(wave, 1, -1):
         candidate = _split(kernel, topk, _cdiv(blocks, wanted) * kernel.block_k)
-        if traffic(candidate, num_tokens, num_heads, topk).total - unsplit.total <= budget:
+        if traffic(candidate, num_tokens, num_heads, topk, kv_layout=kv_layout).total - unsplit.total <= budget:
             splits, cfg = candidate.num_splits, candidate
             break
     chunk = cfg.blocks_per_split * kernel.block_k
@@ -254,7 +255,7 @@ def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_h
         why = (f"{programs} programs fill {slots} CTA slots" if wave <= 1
                else f"no split fits the byte budget ({budget / 1e6:.2f} MB)")
     else:
-        extra = traffic(cfg, num_tokens, num_heads, topk).total - unsplit.total
+        extra = traffic(cfg, num_tokens, num_heads, topk, kv_layout=kv_layout).total - unsplit.total
         why = (f"{splits} splits: {programs} programs x {splits} ~ {slots} CTA slots"
                if splits == wave else f"{splits} splits (a wave wants {wave}): the byte budget")
         why += f"; splitting adds {extra / 1e6:.2f} of <= {budget / 1e6:.2f} MB"
@@ -262,22 +263,26 @@ def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_h
 
 
 @functools.cache
-def table(kernel_name: str, family_name: str) -> dict[tuple[int, int, int], tuple[int, str]]:
-    """{(heads bucket, token bucket, top-k bucket): (chunk, reason)} for one kernel and family.
+def table(kernel_name: str, family_name: str,
+          kv_layout: str = layout.FP8_DS_MLA) -> dict[tuple[int, int, int], tuple[int, str]]:
+    """{(heads bucket, token bucket, top-k bucket): (chunk, reason)} for one kernel, family and
+    cache layout (the bytes a row costs move the byte budget: 352-byte nvfp4 rows get fewer splits
+    than 656-byte fp8 rows, whose partials would otherwise outweigh the cache).
 
     Each entry is :func:`choose_chunk` at the bucket's upper edge; a shape in the bucket gets that
     chunk (so at most as many splits as the edge would, never an empty split).
     """
     kernel, family = KERNELS[kernel_name], FAMILIES[family_name]
-    return {(h, t, k): choose_chunk(kernel, family, t, h, k)
+    return {(h, t, k): choose_chunk(kernel, family, t, h, k, kv_layout)
             for h in HEAD_BUCKETS for t in TOKEN_BUCKETS for k in TOPK_BUCKETS}
 
 
 @functools.lru_cache(maxsize=4096)
 def launch_config(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
-                  family_name: str = DEFAULT_FAMILY) -> LaunchConfig:
-    """The table's config for one call (deterministic; no autotuning at serve time)."""
-    chunk, _ = table(kernel_name, family_name)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
+                  family_name: str = DEFAULT_FAMILY, kv_layout: str = layout.FP8_DS_MLA) -> LaunchConfig:
+    """The table's config for one call over a ``kv_layout`` cache (deterministic; no autotuning at
+    serve time)."""
+    chunk, _ = table(kernel_name, family_name, kv_layout)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
                                                 _bucket(topk, TOPK_BUCKETS))]
     return _split(KERNELS[kernel_name], topk, chunk)
 
@@ -287,8 +292,8 @@ def plan_report(kernel_name: str, num_tokens: int, num_heads: int, topk: int,
                 kv_layout: str = layout.FP8_DS_MLA) -> dict:
     """The config a call gets and the traffic model of its launches over a ``kv_layout`` cache
     (JSON-serializable)."""
-    cfg = launch_config(kernel_name, num_tokens, num_heads, topk, family_name)
-    _, why = table(kernel_name, family_name)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
+    cfg = launch_config(kernel_name, num_tokens, num_heads, topk, family_name, kv_layout)
+    _, why = table(kernel_name, family_name, kv_layout)[(_bucket(num_heads, HEAD_BUCKETS), _bucket(num_tokens, TOKEN_BUCKETS),
                                               _bucket(topk, TOPK_BUCKETS))]
     return dict(kernel=kernel_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads, topk=topk,
                 num_splits=cfg.num_splits, chunk=cfg.blocks_per_split * cfg.block_k, block_h=cfg.block_h,

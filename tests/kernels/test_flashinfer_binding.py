@@ -110,7 +110,7 @@ BAD = [
     ("q", lambda q, kv, i: (q[..., :512], kv, i), {}, "q (3, 16, 512)"),
     ("q dtype", lambda q, kv, i: (q.float(), kv, i), {}, "torch.float32"),
     ("kv dtype", lambda q, kv, i: (q, kv.view(torch.int8), i), {}, "kv_cache"),
-    ("kv rows", lambda q, kv, i: (q, kv[..., :600], i), {}, ">= 656 bytes"),
+    ("kv rows", lambda q, kv, i: (q, kv[..., :600], i), {}, "rows of 656 bytes (fp8_ds_mla)"),
     ("kv misaligned", lambda q, kv, i: (q, kv.view(-1)[8:8 + 41984 * 3].view(3, 64, 656), i), {}, "address % 16"),
     ("kv 5-D", lambda q, kv, i: (q, kv.view(2, 2, 1, 64, 656), i), {}, "kv_cache shape (2, 2, 1, 64, 656)"),
     ("flat, not whole pages", lambda q, kv, i: (q, kv.view(SLOTS, -1)[:100], i), {}, "whole"),

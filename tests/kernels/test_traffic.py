@@ -23,13 +23,9 @@ FAMILIES = list(plan.FAMILIES)
 
 
 def _layout_read_by(kernel: str, kv_layout: str) -> None:
-    """Skip a kernel/layout pair no call makes; mark what the plan does not yet meet for nvfp4."""
+    """Skip a kernel/layout pair no call makes (the fast kernel never reads nvfp4 rows)."""
     if kernel == plan.FAST.name and layout.get(kv_layout).nvfp4:
         pytest.skip(f"{kernel} hands {kv_layout} to the exact kernel")
-    if layout.get(kv_layout).nvfp4:
-        # The split table was sized on 656-byte rows; a 352-byte row halves the cache bytes while the
-        # partials stay: at T=1 they are 1.46x the cache, at T=64 1.27-1.31x the minimum. Known, open.
-        pytest.xfail("the launch table is not yet sized for 352-byte nvfp4 rows")
 
 
 @pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
@@ -111,11 +107,12 @@ def test_every_table_entry_splits_into_whole_nonempty_steps():
     for kernel in KERNELS:
         shape = plan.KERNELS[kernel]
         for family in FAMILIES:
-            table = plan.table(kernel, family)
-            assert len(table) == len(plan.HEAD_BUCKETS) * len(plan.TOKEN_BUCKETS) * len(plan.TOPK_BUCKETS)
-            for (heads, tokens, topk), (chunk, reason) in table.items():
-                assert chunk % shape.block_k == 0 and chunk > 0 and reason
-                assert -(-topk // chunk) <= plan.MAX_SPLITS
+            for kv_layout in layout.KV_LAYOUTS:
+                table = plan.table(kernel, family, kv_layout)
+                assert len(table) == len(plan.HEAD_BUCKETS) * len(plan.TOKEN_BUCKETS) * len(plan.TOPK_BUCKETS)
+                for (heads, tokens, topk), (chunk, reason) in table.items():
+                    assert chunk % shape.block_k == 0 and chunk > 0 and reason
+                    assert -(-topk // chunk) <= plan.MAX_SPLITS
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -127,6 +124,19 @@ def test_any_shape_gets_splits_that_cover_top_k_exactly_once(kernel):
                 blocks = -(-topk // cfg.block_k)
                 assert (cfg.num_splits - 1) * cfg.blocks_per_split < blocks <= cfg.num_splits * cfg.blocks_per_split
                 assert 1 <= cfg.num_splits <= plan.MAX_SPLITS
+
+
+def test_smaller_rows_never_get_more_splits():
+    """The byte budget follows the row: at T=1 the 352-byte nvfp4 rows split no more than the
+    656-byte fp8 rows (more splits would move more partial bytes than the cache itself)."""
+    for family in FAMILIES:
+        for heads in (4, 8, 16, 64):
+            fp8 = plan.launch_config(plan.EXACT.name, 1, heads, 2048, family, layout.FP8_DS_MLA)
+            fp4 = plan.launch_config(plan.EXACT.name, 1, heads, 2048, family, layout.NVFP4_DS_MLA)
+            assert 1 < fp4.num_splits <= fp8.num_splits, (family, heads, fp4, fp8)
+    # On sm120 at 8 heads: half the splits (32 -> 16), the table being per layout.
+    assert (plan.launch_config(plan.EXACT.name, 1, 8, 2048, "sm120", layout.NVFP4_DS_MLA).num_splits
+            < plan.launch_config(plan.EXACT.name, 1, 8, 2048, "sm120", layout.FP8_DS_MLA).num_splits)
 
 
 def test_few_tokens_split_and_many_do_not():
