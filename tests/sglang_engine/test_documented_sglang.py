@@ -184,11 +184,6 @@ def test_draft_tokens_count_in_the_decode_bound(glm):
     assert hooks.engine_limits(view, hf).max_decode_tokens is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known defect (issue 18 report): SGLang resolves its speculative draft tokens after the DSA "
-                          "backend pass the plugin decides in (pipeline.py runs handle_model_specific_adjustments "
-                          "before handle_speculative_decoding), so the plugin counts 1 or 2 tokens a request where "
-                          "SGLang then runs 4")
 @pytest.mark.parametrize("spec", [
     dict(speculative_algorithm="EAGLE"),  # steps, top-k and draft tokens chosen by SGLang
     dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
@@ -205,6 +200,29 @@ def test_the_decode_bound_covers_the_draft_tokens_sglang_resolves(glm, capabilit
     speculative_hook._handle_eagle_family(sa)  # SGLang's own pass, later in the same pipeline
     final = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert decided >= final.max_running_requests * final.speculative_num_draft_tokens
+
+
+def test_resolving_the_draft_tokens_leaves_the_users_record_the_environment_and_the_log_alone(glm, caplog):
+    """hooks._speculative_decode_bound runs SGLang's speculative pass on a copy: the record keeps its
+    declarations (SGLang's own pass still runs on it), the environment is unchanged and SGLang's
+    warnings ("Max running requests is reset to 48") are not logged twice."""
+    sa, view = _view(glm, speculative_algorithm="EAGLE")
+    stash, env = list(getattr(sa, "_resolved_overrides", None) or ()), dict(os.environ)
+    with caplog.at_level("DEBUG"):
+        limits = hooks.engine_limits(view, overrides.model_config_of(view).hf_config)
+    assert limits.max_decode_tokens == 48 * 4  # SGLang's defaults: 48 running requests, (3, 1, 4)
+    assert list(getattr(sa, "_resolved_overrides", None) or ()) == stash and dict(os.environ) == env
+    assert not [r for r in caplog.records if r.name.startswith("sglang")]
+    assert sa.speculative_num_draft_tokens is None and sa.max_running_requests is None
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "MY_SPEC"])
+def test_a_speculative_algorithm_the_plugin_does_not_know_leaves_the_decode_calls_unbounded(glm, algorithm):
+    """hooks._RESOLVED_FAMILIES: the draft tokens of an algorithm outside SGLang's EAGLE / NGRAM
+    families (one SGLang has, or a name only a plugin could register) are not known before SGLang
+    runs: no bound (None), so token-bounded kernels refuse with a reason instead of overrunning."""
+    _, view = _view(glm, max_running_requests=16, speculative_algorithm=algorithm, speculative_num_draft_tokens=4)
+    assert hooks.engine_limits(view, overrides.model_config_of(view).hf_config).max_decode_tokens is None
 
 
 # --- phase routing, every ForwardMode -------------------------------------------------------------------

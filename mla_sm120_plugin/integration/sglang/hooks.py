@@ -29,7 +29,9 @@ No servability rule lives here: the adapter translates, the matrix decides.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import copy
 import json
 import logging
 import os
@@ -85,19 +87,117 @@ def _engine_features(view: Any, hf_config: Any) -> frozenset[str]:
     return frozenset(features)
 
 
+# Speculative algorithms whose draft-token count SGLang's own per-family handler resolves
+# (``SpeculativeAlgorithm.handle_server_args`` -> ``_handle_eagle_family`` / ``_handle_ngram``), after
+# its upper-casing and NEXTN -> EAGLE alias. Any other algorithm (DFLASH, DSPARK, UNO, FROZEN_KV_MTP,
+# a plugin-registered one) gets no bound: token-bounded kernels then refuse with the reason.
+_RESOLVED_FAMILIES = frozenset({"EAGLE", "EAGLE3", "STANDALONE", "NGRAM"})
+# Loggers SGLang's speculative resolution writes to; silenced while it runs on the plugin's copy, so
+# its warnings ("Max running requests is reset to 48", ...) are logged once, by SGLang's own pass.
+_RESOLUTION_LOGGERS = ("sglang.srt.arg_groups.speculative_hook", "sglang.srt.arg_groups.overrides",
+                       "sglang.srt.arg_groups.model_override_base", "sglang.srt.speculative.spec_info",
+                       "sglang.srt.speculative.adaptive_spec_params")
+
+
+@contextlib.contextmanager
+def _quiet(names: tuple[str, ...]):
+    loggers = [logging.getLogger(name) for name in names]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+
+
+def _speculative_decode_bound(view: Any) -> tuple[int, int] | None:
+    """(max running requests, draft tokens a request) as SGLang's speculative pass will resolve them.
+
+    The plugin decides in the DSA backend pass (``_dsa_split_backend_resolution``, run by
+    ``handle_model_specific_adjustments``), but SGLang resolves its draft tokens later in the same
+    pipeline (``handle_speculative_decoding``: auto-chosen steps / top-k / draft tokens, draft tokens
+    raised to steps + 1 at top-k 1, 48 running requests by default). So the plugin runs SGLang's own
+    resolution for the algorithm's family on a copy of the record and reads the result; the user's
+    record, its declarations, the environment and SGLang's log are left as they were.
+
+    :returns: None where that cannot be done (not SGLang's record, an algorithm outside
+        :data:`_RESOLVED_FAMILIES`, a resolver that raises or writes the environment, no draft-token
+        count at the end): the caller then assumes no bound.
+    """
+    try:
+        from sglang.srt.arg_groups import overrides, speculative_hook
+        from sglang.srt.arg_groups.model_override_base import ResolvedView, ResolvingConfig, record_of
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        if not isinstance(view, (ResolvedView, ResolvingConfig)):
+            return None
+        record = record_of(view)
+        overlay = dict(object.__getattribute__(view, "_overlay")) if isinstance(view, ResolvedView) else {}
+        # A shallow copy (ServerArgs.__reduce__: fields plus bookkeeping) that shares the memoized
+        # ModelConfig, with a stash of its own: SGLang's handlers only append declarations to it.
+        clone = copy.copy(record)
+        clone._resolved_overrides = [(source, dict(fields))
+                                     for source, fields in getattr(record, "_resolved_overrides", None) or ()]
+        if overlay:
+            clone._resolved_overrides.append(("mla_sm120_plugin.view", overlay))
+        env = dict(os.environ)
+        with _quiet(_RESOLUTION_LOGGERS):
+            cfg = overrides.resolving_view(clone)
+            if cfg.speculative_draft_model_path is not None and cfg.speculative_draft_model_revision is None:
+                overrides.declare_resolution(clone, "handle_speculative_decoding", speculative_draft_model_revision="main")
+            kwargs = {}
+            if (cfg.decrypted_draft_config_file or "").strip():
+                kwargs["_configuration_file"] = cfg.decrypted_draft_config_file.strip()
+            algorithm = speculative_hook._resolve_speculative_algorithm_alias(
+                cfg.speculative_algorithm.upper(), cfg.speculative_draft_model_path,
+                trust_remote_code=cfg.trust_remote_code, kwargs=kwargs)
+            if algorithm not in _RESOLVED_FAMILIES:
+                return None
+            overrides.declare_resolution(clone, "handle_speculative_decoding", speculative_algorithm=algorithm)
+            if cfg.speculative_adaptive:
+                speculative_hook._maybe_disable_adaptive(clone)
+                if cfg.speculative_adaptive:
+                    speculative_hook._init_adaptive_speculative_params(clone)
+            # SGLang's page-size default runs between the two passes; the family handler validates against it.
+            overrides.run_post_process_pass(clone, overrides._page_size_default)
+            SpeculativeAlgorithm.from_string(algorithm).handle_server_args(clone)
+            running = cfg.max_running_requests
+            # SGLang's own "largest draft-token width this algorithm may use" (adaptive: its top step + 1).
+            per_request = overrides.max_speculative_num_draft_tokens(clone)
+        if dict(os.environ) != env:  # a resolver that writes the environment: undo it, assume nothing
+            os.environ.clear()
+            os.environ.update(env)
+            return None
+    except Exception as exc:  # SGLang reports its own errors in its own pass; never crash here
+        logger.debug("SGLang's speculative resolution did not run on a copy (%s): no decode bound", exc)
+        return None
+    if not running or not per_request:
+        return None
+    return int(running), int(per_request)
+
+
 def engine_limits(view: Any, hf_config: Any) -> EngineLimits:
     """SGLang's parallelism, batching and cache settings, as the selection needs them."""
     tp = int(getattr(view, "tp_size", 1) or 1)
     # Attention heads split over the attention-TP group: TP divided by attention DP and CP.
     attn_tp = max(1, tp // max(1, int(getattr(view, "attn_dp_size", 1) or 1))
                   // max(1, int(getattr(view, "attn_cp_size", 1) or 1)))
-    running = getattr(view, "max_running_requests", None)
-    per_request = int(getattr(view, "speculative_num_draft_tokens", None) or 1)
     chunk = getattr(view, "chunked_prefill_size", None)
+    if getattr(view, "speculative_algorithm", None):
+        # Resolved on a copy: SGLang fixes its draft tokens only after this pass (see
+        # _speculative_decode_bound); unknown to the plugin or not resolvable: unbounded.
+        resolved = _speculative_decode_bound(view)
+        max_decode = resolved[0] * resolved[1] if resolved else None
+    else:
+        running = getattr(view, "max_running_requests", None)
+        per_request = int(getattr(view, "speculative_num_draft_tokens", None) or 1)
+        # Unknown until SGLang sizes its pools: unbounded then (the stricter assumption).
+        max_decode = int(running) * per_request if running else None
     return EngineLimits(
         tensor_parallel_size=attn_tp,
-        # Unknown until SGLang sizes its pools: unbounded then (the stricter assumption).
-        max_decode_tokens=int(running) * per_request if running else None,
+        max_decode_tokens=max_decode,
         max_prefill_tokens=int(chunk) if chunk and chunk > 0 else None,
         cuda_graphs=not getattr(view, "disable_cuda_graph", False),
         features=_engine_features(view, hf_config),
