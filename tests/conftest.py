@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -51,10 +52,14 @@ def _pip_install_target(tmp_path_factory, fixture: str) -> Path:
     """pip-install the fixture distribution ``tests/fixtures/<fixture>`` into its own target dir."""
     pytest.importorskip("setuptools", reason="building the fixture plugins needs setuptools (the test extra's venv has it)")
     target = tmp_path_factory.mktemp(fixture)
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources, which a
+    # read-only checkout (an unprivileged user's run) refuses, and which would dirty the tree.
+    source = tmp_path_factory.mktemp(f"{fixture}-src") / fixture
+    shutil.copytree(FIXTURES / fixture, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run(
         [
             sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-            "--target", str(target), str(FIXTURES / fixture),
+            "--target", str(target), str(source),
         ],
         check=True,
     )
