@@ -296,7 +296,7 @@ def report(arch: int) -> dict[str, Any]:
         raise KernelInputError(format_error(f"arch={arch}", f"one of {sorted(ARCHES)}",
                                             "pass 120 (RTX 50xx / RTX PRO 6000), 121 (DGX Spark) or 90 (H100/H200)"))
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in PTXAS_OVERRIDES}
         done = subprocess.run([sys.executable, "-m", __name__, str(arch)], capture_output=True, text=True,
                               env=env, timeout=1800)
         if done.returncode != 0:
@@ -305,21 +305,35 @@ def report(arch: int) -> dict[str, Any]:
     return _report_here(arch)
 
 
+# Set by FlashInfer's import (flashinfer/triton/__init__.py) to a system ptxas of CUDA >= 13 found on
+# PATH; it compiles the same PTX differently (CUDA 13.0's gives the exact fp8_ds_mla variant 128
+# registers and a 4-byte spill where Triton's bundled 13.3 gives 134 and none). The gate reads the
+# compiler Triton ships, whatever the calling process imported.
+PTXAS_OVERRIDES = ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH")
+
+
+def _compile_fresh(launch: Any, arch: int) -> dict[str, Any]:
+    """:func:`compile_launch` with Triton's bundled ptxas, into a private, empty Triton cache (a
+    cubin cached by another checkout's run, or built by another ptxas, is never what the gate reads)."""
+    saved = {key: os.environ.get(key) for key in ("TRITON_CACHE_DIR", *PTXAS_OVERRIDES)}
+    with tempfile.TemporaryDirectory(prefix="mla-sm120-gate-") as cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+        for key in PTXAS_OVERRIDES:
+            os.environ.pop(key, None)
+        try:
+            return compile_launch(launch, arch)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 def _report_here(arch: int) -> dict[str, Any]:
     import triton
 
-    # Compile from source into a private cache: a cubin cached by another checkout's run (or an
-    # older kernel) must never be what the gate reads. The gate compiles every variant anyway.
-    saved = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="mla-sm120-gate-") as cache_dir:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir
-        try:
-            rows = [compile_launch(launch, arch) for launch in launches()]
-        finally:
-            if saved is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = saved
+    rows = [_compile_fresh(launch, arch) for launch in launches()]
     compiled = [r for r in rows if r["compiled"]]
     failures = gate_failures(arch, rows)
     return dict(

@@ -172,3 +172,13 @@ def test_cli_unknown_arch_is_refused():
     done = run_cli("bench", "--compile-only", "--arch", "75")
     assert done.returncode == 2
     assert "given: arch=75" in done.stderr and "fix:" in done.stderr
+
+
+def test_the_gate_reads_tritons_own_ptxas_whatever_the_caller_imported(monkeypatch):
+    """FlashInfer's import points Triton at a system ptxas (TRITON_PTXAS_BLACKWELL_PATH) when one of
+    CUDA >= 13 is on PATH, and vLLM imports FlashInfer: the gate's verdict must not depend on that.
+    A path that does not exist would fail every compile if the gate used it."""
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", "/nonexistent/ptxas")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/nonexistent/ptxas")
+    rows = compile_gate.report(121)["variants"]
+    assert rows and all(v["compiled"] for v in rows), [v.get("error") for v in rows if not v["compiled"]][:1]
