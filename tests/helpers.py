@@ -124,3 +124,27 @@ def flashinfer_refusal_here() -> str | None:
         return "no CUDA GPU"
     major, minor = torch.cuda.get_device_capability()
     return None if major == 12 else f"is sm_{major}{minor}"
+
+
+CONFIG_SECTIONS = ("top", "arch", "glob", "exact")  # weakest first (README "Plugin config")
+
+
+def config_with_sections(model: str, kinds: list[str], strong: str, weak: str) -> dict:
+    """A plugin config whose ``decode_kernel`` is set in each section kind of ``kinds`` (of
+    :data:`CONFIG_SECTIONS`): ``strong`` in the most specific of them, ``weak`` in every other one.
+    The glob section matches ``model``'s parent directory; the architecture section is GLM-5's."""
+    strongest = max(kinds, key=CONFIG_SECTIONS.index)
+    value = {kind: strong if kind == strongest else weak for kind in kinds}
+    data: dict = {}
+    if "top" in value:
+        data["decode_kernel"] = value["top"]
+    if "arch" in value:
+        data["architectures"] = {"GlmMoeDsaForCausalLM": {"decode_kernel": value["arch"]}}
+    models = {}
+    if "glob" in value:
+        models[model.rsplit("/", 1)[0] + "/*"] = {"decode_kernel": value["glob"]}
+    if "exact" in value:
+        models[model] = {"decode_kernel": value["exact"]}
+    if models:
+        data["models"] = models
+    return data

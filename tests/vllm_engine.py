@@ -190,3 +190,23 @@ def vllm_log(level: int = logging.INFO) -> Iterator[list[str]]:
     finally:
         root.removeHandler(handler)
         root.setLevel(saved)
+
+
+def logical_topk(gen, q_lens: list[int], seq_lens: list[int], topk: int):
+    """vLLM's top-k buffer before forward_mqa converts it: per query token, random causal positions
+    in its request (one duplicated, which counts twice), at random places in the row, -1 padded.
+
+    returns: [sum(q_lens), topk] int32
+    """
+    rows = []
+    for ql, sl in zip(q_lens, seq_lens):
+        for i in range(ql):
+            visible = sl - ql + i + 1
+            k = min(topk, visible)
+            pos = torch.randperm(visible, generator=gen)[:k]
+            if k > 3:
+                pos[-1] = pos[0]  # a duplicate slot counts twice
+            row = torch.full((topk,), -1, dtype=torch.int32)
+            row[torch.randperm(topk, generator=gen)[:k]] = pos.int()
+            rows.append(row)
+    return torch.stack(rows)

@@ -21,6 +21,7 @@ import types
 
 import pytest
 import torch
+from helpers import config_with_sections
 from model_configs import write_model
 from sglang.srt.arg_groups import overrides, speculative_hook
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
@@ -122,32 +123,12 @@ def test_flags_through_sglangs_own_parser_reach_the_decision(tmp_path, capabilit
 # --- precedence within --mla-sm120-config, against SGLang's model name --------------------------------
 
 
-def _sections(model: str, kinds: list[str]) -> dict:
-    """``decode_kernel`` set in each section kind: Triton in the strongest, the reference elsewhere."""
-    order = ["top", "arch", "glob", "exact"]
-    strongest = max(kinds, key=order.index)
-    value = {kind: TRITON if kind == strongest else TORCH for kind in kinds}
-    data: dict = {}
-    if "top" in value:
-        data["decode_kernel"] = value["top"]
-    if "arch" in value:
-        data["architectures"] = {"GlmMoeDsaForCausalLM": {"decode_kernel": value["arch"]}}
-    models = {}
-    if "glob" in value:
-        models[model.rsplit("/", 1)[0] + "/*"] = {"decode_kernel": value["glob"]}
-    if "exact" in value:
-        models[model] = {"decode_kernel": value["exact"]}
-    if models:
-        data["models"] = models
-    return data
-
-
 @pytest.mark.parametrize("kinds", [
     ["top", "arch"], ["top", "glob"], ["top", "exact"], ["arch", "glob"], ["arch", "exact"], ["glob", "exact"],
 ], ids="+".join)
 def test_within_mla_sm120_config_the_most_specific_section_wins(monkeypatch, glm, kinds):
     """README "Plugin config": exact model name, then glob, then architecture, then the top level."""
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps(_sections(glm, kinds)))
+    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps(config_with_sections(glm, kinds, TRITON, TORCH)))
     assert _ctx(glm).decode_kernel == TRITON
 
 

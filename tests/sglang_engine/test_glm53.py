@@ -16,11 +16,11 @@ import pytest
 import torch
 from layout_oracle import attention, decode_cache
 from model_configs import write_model
+from sglang_launch import resolve, server_args
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
 from sglang.srt.arg_groups import overrides
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.server_args import ServerArgs
 
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
@@ -30,27 +30,16 @@ from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
 HEADS, PAGES, WIDTH = 8, 4, 2051  # 256 slots; 2048 + kpool 4 - 1 ids a row
 
 
-def _server_args(model_dir: str, **kw) -> ServerArgs:
-    return ServerArgs(model_path=model_dir, skip_tokenizer_init=True, **kw)
-
-
-def _resolve(model_dir: str, **kw) -> tuple[str, str]:
-    sa = _server_args(model_dir, **kw)
-    overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
-    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
-    return view.dsa_prefill_backend, view.dsa_decode_backend
-
-
 @pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
 def test_the_plugin_serves_it_where_sglang_alone_sends_it_to_trtllm(tmp_path, capability, monkeypatch, cap):
     capability(*cap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = write_model(tmp_path, "glm53mm", heads=HEADS)
-    sa = _server_args(model, kv_cache_dtype="fp8_e4m3")
+    sa = server_args(model, kv_cache_dtype="fp8_e4m3")
     alone = overrides._dsa_split_backend_resolution.__wrapped__(
         overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa)))
     assert alone == {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"}
-    assert _resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
     ctx = context_from_json(os.environ[hooks.CONTEXT_ENV])
     assert (ctx.model_arch, ctx.kv_cache_dtype, ctx.index_topk, ctx.qk_rope_head_dim, ctx.kv_scale_format) == (
         "Glm5NextForConditionalGeneration", "fp8_nope", WIDTH, 0, "arbitrary")
@@ -60,7 +49,7 @@ def test_without_the_opt_in_sglang_resolves_it_alone(tmp_path, capability, monke
     capability(12, 0)
     monkeypatch.delenv(plugin.ENABLE_ENV)
     model = write_model(tmp_path, "glm53mm", heads=HEADS)
-    sa = _server_args(model, kv_cache_dtype="fp8_e4m3")
+    sa = server_args(model, kv_cache_dtype="fp8_e4m3")
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert overrides._dsa_split_backend_resolution(view) == overrides._dsa_split_backend_resolution.__wrapped__(view)
 
@@ -92,7 +81,7 @@ def test_a_forward_through_sglangs_call_site_matches_float64(tmp_path, capabilit
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
-    _resolve(write_model(tmp_path, "glm53mm", heads=HEADS), kv_cache_dtype=kv, disable_cuda_graph=True)
+    resolve(write_model(tmp_path, "glm53mm", heads=HEADS), kv_cache_dtype=kv, disable_cuda_graph=True)
     gen = torch.Generator().manual_seed(5)
     latent = (torch.randn(PAGES * 64, 512, generator=gen) * 2).to(torch.bfloat16)
     if kv == "fp8_e4m3":

@@ -7,8 +7,8 @@ import logging
 import pytest
 from helpers import run_cli
 from model_configs import write_model
+from sglang_launch import resolve, server_args
 from sglang.srt.arg_groups import overrides
-from sglang.srt.server_args import ServerArgs
 
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.errors import UnsupportedConfiguration
@@ -17,26 +17,13 @@ from mla_sm120_plugin.integration.sglang import hooks
 from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
-
 def SGLANG_ALONE(view):  # noqa: N802 - reads as the name of SGLang's own pass
     """SGLang's own pass, unwrapped from the hook (installed by the session's load_plugins())."""
     return overrides._dsa_split_backend_resolution.__wrapped__(view)
 
 
-def _server_args(model_dir: str, **kw) -> ServerArgs:
-    return ServerArgs(model_path=model_dir, skip_tokenizer_init=True, **kw)
-
-
-def _resolve(model_dir: str, **kw) -> tuple[str, str]:
-    """Run the pass as SGLang's launcher does; the DSA backends the resolved arguments name."""
-    sa = _server_args(model_dir, **kw)
-    overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
-    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
-    return view.dsa_prefill_backend, view.dsa_decode_backend
-
-
 def _alone(model_dir: str, **kw) -> dict:
-    sa = _server_args(model_dir, **kw)
+    sa = server_args(model_dir, **kw)
     return SGLANG_ALONE(overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa)))
 
 
@@ -52,7 +39,7 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
     capability(*cap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     caplog.set_level(logging.WARNING, logger="mla_sm120_plugin")
-    assert _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mla_sm120: model=")]
     assert f"sm_{cap[0]}{cap[1]}" in line
     from helpers import flashinfer_refusal_here
@@ -70,7 +57,7 @@ def test_sm90_is_refused_with_the_text_check_prints(tmp_path, capability):
     capability(9, 0)
     model = write_model(tmp_path, "glm")
     with pytest.raises(UnsupportedConfiguration) as err:
-        _resolve(model, kv_cache_dtype="fp8_e4m3")
+        resolve(model, kv_cache_dtype="fp8_e4m3")
     res = run_cli("check", "--engine", "sglang", "--model", model, "--sm", "9.0", "--kv-cache-dtype", "fp8_e4m3")
     assert res.returncode == 2
     cli_message = res.stderr.split("UnsupportedConfiguration: ", 1)[1].rstrip("\n")
@@ -90,10 +77,10 @@ def test_the_seeds_flashmla_kv_is_refused_before_weights_and_served_without_it(t
     assert _alone(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv") == {
         "dsa_prefill_backend": FLASHINFER}
     with pytest.raises(UnsupportedConfiguration) as err:
-        _resolve(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv")
+        resolve(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv")
     msg = str(err.value)
     assert "flashmla_kv is another engine's impl" in msg and f"decode can run: {TRITON}" in msg
-    assert _resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
 
 
 def test_deepseek_v32_on_sm120_is_served(tmp_path, capability, monkeypatch):
@@ -102,7 +89,7 @@ def test_deepseek_v32_on_sm120_is_served(tmp_path, capability, monkeypatch):
     model = write_model(tmp_path, "dsv32")
     # SGLang alone sends it to trtllm on SM120: a kernel that does not run on SM12x.
     assert _alone(model, kv_cache_dtype="fp8_e4m3") == {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"}
-    assert _resolve(model, kv_cache_dtype="fp8_e4m3", tp_size=8) == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="fp8_e4m3", tp_size=8) == (hooks.ROUTE, hooks.ROUTE)
     ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
     # SGLang writes amax/448 scales for every model: the engine's fact beats the profile's pow2.
     assert (ctx.model_arch, ctx.num_heads, ctx.kv_scale_format) == ("DeepseekV32ForCausalLM", 16, "arbitrary")
@@ -112,11 +99,11 @@ def test_bf16_cache_and_forced_kernels(tmp_path, capability, monkeypatch):
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = write_model(tmp_path, "glm", index_topk=1000)  # any top-k
-    assert _resolve(model, kv_cache_dtype="bfloat16") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="bfloat16") == (hooks.ROUTE, hooks.ROUTE)
     # The plugin's settings through --mla-sm120-config; SGLang's own flag names the kernel too.
     monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}"}}')
     monkeypatch.delenv(hooks.CONTEXT_ENV)
-    assert _resolve(model, kv_cache_dtype="bfloat16", dsa_decode_backend=TRITON) == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="bfloat16", dsa_decode_backend=TRITON) == (hooks.ROUTE, hooks.ROUTE)
     ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
     assert (ctx.prefill_kernel, ctx.decode_kernel, ctx.kv_cache_dtype, ctx.index_topk) == (TORCH, TRITON, "bf16", 1000)
 
@@ -129,14 +116,14 @@ def test_what_the_kernels_cannot_read_is_refused(tmp_path, capability, monkeypat
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(UnsupportedConfiguration, match=needle):
-        _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3", **setting)
+        resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3", **setting)
 
 
 def test_skip_softmax_is_refused(tmp_path, capability, monkeypatch):
     capability(12, 0)
     monkeypatch.setenv("SGLANG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR", "0.5")
     with pytest.raises(UnsupportedConfiguration, match="skip_softmax is on"):
-        _resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3")
+        resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("kind, kw", [("glm", dict(kv_cache_dtype="fp8_e4m3")), ("dsv32", dict(kv_cache_dtype="fp8_e4m3")),
@@ -147,7 +134,7 @@ def test_without_the_opt_in_resolution_is_sglangs(tmp_path, capability, monkeypa
     capability(*cap)
     monkeypatch.delenv(plugin.ENABLE_ENV)
     model = write_model(tmp_path, kind)
-    sa = _server_args(model, **kw)
+    sa = server_args(model, **kw)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert overrides._dsa_split_backend_resolution(view) == SGLANG_ALONE(view)
     assert hooks.CONTEXT_ENV not in __import__("os").environ
@@ -161,7 +148,7 @@ def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypat
 
     capability(12, 1)
     model = write_model(tmp_path, "dsv32", index_topk=1024)
-    sa = _server_args(model, kv_cache_dtype="fp8_e4m3", tp_size=8, chunked_prefill_size=4096,
+    sa = server_args(model, kv_cache_dtype="fp8_e4m3", tp_size=8, chunked_prefill_size=4096,
                       max_running_requests=16, disable_cuda_graph=True)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     from_sglang = hooks.context_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1))
@@ -186,7 +173,7 @@ def test_auto_means_what_sglang_resolves_it_to(tmp_path, capability, cap):
     from mla_sm120_plugin.engines import SGLANG
 
     capability(*cap)
-    sa = _server_args(write_model(tmp_path, "glm"), kv_cache_dtype="auto")
+    sa = server_args(write_model(tmp_path, "glm"), kv_cache_dtype="auto")
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     sglang_says = overrides._dsa_kv_cache_dtype_default(view).get("kv_cache_dtype", "auto")
     assert SGLANG.kv_layout("auto", cap[0]) == SGLANG.kv_layout(sglang_says, cap[0])

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import config_with_sections
 from model_configs import write_model
 from vllm_engine import make_vllm_config
 from vllm.config import SpeculativeConfig, VllmConfig
@@ -89,29 +90,6 @@ def test_the_forced_kernels_reach_the_decision(tmp_path, monkeypatch, glm):
 # --- precedence within the inline source, against vLLM's model name --------------------------------
 
 
-SECTIONS = ["top", "arch", "glob", "exact"]  # weakest first (README "Plugin config")
-
-
-def _inline_with(glm: str, kinds: list[str]) -> dict:
-    """An inline config whose ``decode_kernel`` is set in each of ``kinds``: the strongest of them to
-    Triton, every other one to the torch reference."""
-    strongest = max(kinds, key=SECTIONS.index)
-    value = {kind: TRITON if kind == strongest else TORCH for kind in kinds}
-    data: dict = {}
-    if "top" in value:
-        data["decode_kernel"] = value["top"]
-    if "arch" in value:
-        data["architectures"] = {"GlmMoeDsaForCausalLM": {"decode_kernel": value["arch"]}}
-    models = {}
-    if "glob" in value:
-        models[glm.rsplit("/", 1)[0] + "/*"] = {"decode_kernel": value["glob"]}
-    if "exact" in value:
-        models[glm] = {"decode_kernel": value["exact"]}
-    if models:
-        data["models"] = models
-    return data
-
-
 @pytest.mark.parametrize("kinds", [
     ["top", "arch"], ["top", "glob"], ["top", "exact"], ["arch", "glob"], ["arch", "exact"], ["glob", "exact"],
     ["top", "arch", "glob", "exact"],
@@ -119,7 +97,7 @@ def _inline_with(glm: str, kinds: list[str]) -> dict:
 def test_within_additional_config_the_most_specific_section_wins(glm, kinds):
     """README: "sections are matched against vLLM's model name (what you pass to vllm serve) and the
     HF architecture", exact name > glob > architecture > top level."""
-    ctx = _ctx(glm, _inline_with(glm, kinds))
+    ctx = _ctx(glm, config_with_sections(glm, kinds, TRITON, TORCH))
     assert ctx.decode_kernel == TRITON
     assert ctx.model_name == glm
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_configs import write_model
-from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config
+from vllm_engine import build_metadata, common_metadata, logical_topk, make_impl, make_vllm_config
 
 from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
@@ -23,22 +23,6 @@ SEQ_LENS = [70, 130, 5, 66]
 BLOCK_TABLE = [[3, 7, 0], [1, 2, 9], [5, 0, 0], [4, 6, 0]]
 # Triton (interpreter, fp32 accumulate) and the reference against float64 on unit-scale data.
 OUT_ATOL = 2e-2
-
-
-def _logical_topk(gen: torch.Generator) -> torch.Tensor:
-    """Per token: random causal positions in its request, some duplicated, -1 padded."""
-    rows = []
-    for ql, sl in zip(Q_LENS, SEQ_LENS):
-        for i in range(ql):
-            visible = sl - ql + i + 1
-            k = min(TOPK, visible)
-            pos = torch.randperm(visible, generator=gen)[:k]
-            if k > 3:
-                pos[-1] = pos[0]  # a duplicate slot counts twice
-            row = torch.full((TOPK,), -1, dtype=torch.int32)
-            row[torch.randperm(TOPK, generator=gen)[:k]] = pos.int()
-            rows.append(row)
-    return torch.stack(rows)
 
 
 def _dense_expected(q, cache_rows_f64, logical, scale) -> torch.Tensor:
@@ -87,7 +71,7 @@ def test_forward_mqa_mixed_batch_matches_dense_math(tmp_path, cpu_vllm, kv_dtype
     assert kv_cache.stride(0) == STRIDE_ROWS * layout_width
 
     n = sum(Q_LENS)
-    logical = _logical_topk(gen)
+    logical = logical_topk(gen, Q_LENS, SEQ_LENS, TOPK)
     topk_buffer[:n] = logical
     ql_nope = torch.randn(HEADS, n, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)  # strided, as vLLM
     q_pe = torch.randn(n, HEADS, 64, generator=gen).to(torch.bfloat16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from layout_oracle import attention, decode_cache
 from model_configs import write_model
-from vllm_engine import (build_metadata, common_metadata, kv_cache_spec, make_impl, make_vllm_config,
+from vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_topk, make_impl, make_vllm_config,
                          selector_kwargs)
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
@@ -73,22 +73,6 @@ def test_kv_cache_spec_is_352_bytes_a_token(tmp_path):
         assert spec.real_page_size_bytes == spec.block_size * row, (kv, spec)
 
 
-def _logical_topk(gen: torch.Generator) -> torch.Tensor:
-    """Per token: random causal positions in its request, one duplicated, -1 padded."""
-    rows = []
-    for ql, sl in zip(Q_LENS, SEQ_LENS):
-        for i in range(ql):
-            visible = sl - ql + i + 1
-            k = min(TOPK, visible)
-            pos = torch.randperm(visible, generator=gen)[:k]
-            if k > 3:
-                pos[-1] = pos[0]
-            row = torch.full((TOPK,), -1, dtype=torch.int32)
-            row[torch.randperm(TOPK, generator=gen)[:k]] = pos.int()
-            rows.append(row)
-    return torch.stack(rows)
-
-
 def _slots(logical: torch.Tensor) -> torch.Tensor:
     """Logical positions to global rows of the backing (blocks STRIDE_ROWS rows apart), -1 kept."""
     req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
@@ -119,7 +103,7 @@ def test_forward_mqa_on_an_nvfp4_cache_matches_float64(tmp_path, cpu_vllm):
     kv_cache = backing[:, :PAGE]  # [blocks, 64, 352], block stride 128 rows
 
     n = sum(Q_LENS)
-    logical = _logical_topk(gen)
+    logical = logical_topk(gen, Q_LENS, SEQ_LENS, TOPK)
     impl.topk_indices_buffer[:n] = logical
     ql_nope = torch.randn(HEADS, n, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)
     q_pe = torch.randn(n, HEADS, 64, generator=gen).to(torch.bfloat16)
