@@ -378,6 +378,7 @@ def _own_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .context import ENGINES
+    from .engines import SGLANG, VLLM
 
     parser = argparse.ArgumentParser(prog="mla-sm120", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mla-sm120 {_own_version()}")
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fast (default): kernels with fp8 q/p MMAs may serve; exact: only bf16/fp32 operands")
     check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
     check.add_argument("--max-decode-tokens", type=_positive_int,
-                       help="most tokens a decode call sees (vLLM: max_num_seqs x (1 + speculative tokens)); "
+                       help=f"most tokens a decode call sees (vLLM: {VLLM.decode_bound}; SGLang: {SGLANG.decode_bound}); "
                             "<= 64 lets FlashInfer's decode kernel take few heads per GPU")
     check.add_argument("--max-prefill-tokens", type=_positive_int,
                        help="most tokens a prefill call sees (vLLM: max_num_batched_tokens)")

@@ -345,10 +345,12 @@ def _table_reasons(
     if max_tokens is None or max_tokens > limit:
         bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
         calls = f"{phase} calls of {bound}"
+        from ..engines import SGLANG, VLLM  # engines imports kernels.layout: import here, not at the top
+
         # Decode calls can be bounded by the engine's settings; that is the fix to name. (The prefill
         # kernels' whole 64-entry index rows are no limit: the binding pads a row with -1.)
         bound_fix = (f"; decode calls of <= {limit} tokens would fit (mla-sm120 check --max-decode-tokens {limit}; "
-                     f"vLLM --max-num-seqs / SGLang --max-running-requests, x (1 + speculative tokens))") if phase == "decode" else ""
+                     f"vLLM: {VLLM.decode_bound}; SGLang: {SGLANG.decode_bound})") if phase == "decode" else ""
         if num_heads not in table.prefill_heads:
             reasons.append(
                 f"num_heads={num_heads} with {calls}: calls over {limit} tokens run flashinfer's prefill kernels, "

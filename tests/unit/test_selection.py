@@ -339,6 +339,10 @@ def test_cli_header_echoes_tp_and_heads():
     assert res.returncode == 0, res.stderr
     assert "4 heads per rank (tensor parallel 16)" in res.stdout
     assert "--max-decode-tokens 64" in res.stdout  # the setting that lets FlashInfer decode 4 heads
+    # ... and each engine's own settings that bound a decode call (SGLang's verify step is
+    # requests x draft tokens, not 1 + speculative tokens as in vLLM)
+    assert "vLLM: --max-num-seqs x (1 + --num-speculative-tokens)" in res.stdout
+    assert "SGLang: --max-running-requests x --speculative-num-draft-tokens" in res.stdout
     assert "planned is planned" not in res.stdout
 
 
