@@ -155,3 +155,79 @@ def test_random_file_bytes_raise_only_config_error(tmp_path_factory, data):
         load_config(None, kernel_names=KERNELS, env={CONFIG_ENV: str(path)})
     except ConfigError:
         pass
+
+
+# Every refusal of config.py, word for word as the user reads it (what was given, what is accepted,
+# how to fix it); "<F>" stands for the file's path. Written out by hand from the schema in the
+# module docstring, not rendered by the plugin's own formatter.
+_KEYS_IN_A_SECTION = "['prefill_kernel', 'decode_kernel', 'kv_scale_format', 'precision']"
+_KEYS_IN_A_FILE = "['prefill_kernel', 'decode_kernel', 'kv_scale_format', 'precision', 'models', 'architectures']"
+_KEYS_INLINE = _KEYS_IN_A_FILE[:-1] + ", 'config_file']"
+_INLINE = "--additional-config mla_sm120"
+
+
+@pytest.mark.parametrize(
+    "file_text, inline, expected",
+    [
+        (None, [1], f"given: {_INLINE}: list [1]\nsupported: a table/dict of settings\nfix: write it as a table"),
+        (None, {"decode_kernl": "auto"},
+         f"given: {_INLINE}: unknown key 'decode_kernl'\nsupported: keys {_KEYS_INLINE}\nfix: remove or correct the key"),
+        # config_file names a file from the inline form only: a file cannot name another
+        ('config_file = "x.toml"', None,
+         f"given: <F>: unknown key 'config_file'\nsupported: keys {_KEYS_IN_A_FILE}\nfix: remove or correct the key"),
+        ("decode_kernel = 3", None, 'given: <F>: decode_kernel=3 (int)\nsupported: a string\nfix: quote it: decode_kernel = "..."'),
+        ('decode_kernel = "trition_sparse_mla"', None,
+         "given: <F>: decode_kernel='trition_sparse_mla' is not a known kernel\nsupported: one of ['auto', "
+         "'flashinfer_sparse_mla', 'torch_sparse_mla', 'triton_sparse_mla', 'triton_sparse_mla_fast']\nfix: correct the name"),
+        ('kv_scale_format = "e8m0"', None,
+         "given: <F>: kv_scale_format='e8m0'\nsupported: one of ['auto', 'pow2', 'arbitrary']\nfix: correct the value"),
+        ('precision = "fastest"', None,
+         "given: <F>: precision='fastest'\nsupported: one of ['fast', 'exact']\nfix: correct the value"),
+        ("models = 3", None,
+         'given: <F>: models = 3\nsupported: a table of [models.<name>] sections\nfix: write [models."<name>"]'),
+        ("architectures = [1]", None,
+         'given: <F>: architectures = [1]\nsupported: a table of [architectures.<name>] sections\n'
+         'fix: write [architectures."<name>"]'),
+        ('[models.""]\ndecode_kernel = "auto"', None,
+         "given: <F>: models section name ''\nsupported: a non-empty string\nfix: name the section"),
+        ('[models."x"]\nprefil_kernel = "auto"', None,
+         f"given: <F> [models.'x']: unknown key 'prefil_kernel'\nsupported: keys {_KEYS_IN_A_SECTION}\n"
+         "fix: remove or correct the key"),
+        ('[models."x"]\nconfig_file = "y.toml"', None,
+         f"given: <F> [models.'x']: unknown key 'config_file'\nsupported: keys {_KEYS_IN_A_SECTION}\n"
+         "fix: remove or correct the key"),
+        ("[architectures]\nGlm = 3", None,
+         "given: <F> [architectures.'Glm']: int 3\nsupported: a table/dict of settings\nfix: write it as a table"),
+        (None, {"architectures": {"A": {"precision": 1}}},
+         f"given: {_INLINE} [architectures.'A']: precision=1 (int)\nsupported: a string\nfix: quote it: precision = \"...\""),
+        (None, {"config_file": 3},
+         f"given: {_INLINE}: config_file=3\nsupported: a path string\nfix: give the TOML file's path"),
+        (None, {"config_file": "/nonexistent.toml"},
+         "given: mla_sm120.config_file='/nonexistent.toml': no such file\n"
+         "supported: an existing regular file: a plugin config TOML file\nfix: fix the path"),
+    ],
+)
+def test_each_refusal_word_for_word(tmp_path, file_text, inline, expected):
+    env = {CONFIG_ENV: _write(tmp_path, file_text)} if file_text is not None else {}
+    with pytest.raises(ConfigError) as err:
+        load_config(inline, kernel_names=KERNELS, env=env)
+    assert str(err.value) == expected.replace("<F>", env.get(CONFIG_ENV, "<F>"))
+
+
+def test_the_file_source_is_named_as_the_user_named_it(tmp_path):
+    missing = str(tmp_path / "missing.toml")
+    tail = ": no such file\nsupported: an existing regular file: a plugin config TOML file\nfix: fix the path"
+    for kwargs, named_by in (({"config_file": missing}, "--config"), ({"env": {CONFIG_ENV: missing}}, CONFIG_ENV)):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, kernel_names=KERNELS, **{"env": {}, **kwargs})
+        assert str(err.value) == f"given: {named_by}={missing!r}{tail}"
+
+
+def test_forced_by_names_each_forced_kernel_and_its_source(tmp_path):
+    path = _write(tmp_path, 'prefill_kernel = "torch_sparse_mla"\n')
+    both = load_config({"decode_kernel": "triton_sparse_mla"}, kernel_names=KERNELS, env={CONFIG_ENV: path})
+    assert both.for_model(*GLM).forced_by() == f"prefill_kernel from {path}, decode_kernel from {_INLINE}"
+    assert load_config(None, kernel_names=KERNELS, env={}).for_model(*GLM).forced_by() == "config"
+    # "auto" forces nothing, wherever it is written
+    auto = load_config({"decode_kernel": "auto"}, kernel_names=KERNELS, env={})
+    assert auto.for_model(*GLM).forced_by() == "config"
