@@ -13,6 +13,7 @@ from typing import Any
 from . import files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
 from .hooks.manager import Registry
+from .types import ModelProfile
 
 # Bounds on what a config may claim; above them the value is a typo or a corrupted file, not a model.
 # The largest MLA models have 128 heads (DeepSeek-V3/V3.2; GLM-5 has 64): 1024 leaves 8x headroom.
@@ -111,15 +112,16 @@ def _architectures(cfg: Any, where: str) -> tuple[str, ...]:
     return tuple(archs)
 
 
-def _count(cfg: Any, key: str, bound: int, fallback: int | None, where: str, profile_name: str | None,
+def _count(cfg: Any, key: str, bound: int, where: str, profile: ModelProfile | None, attr: str,
            least: int = 1) -> int:
-    """An int field in ``[least, bound]``; absent: ``fallback`` (the value of the profile named
-    ``profile_name``), else 0 (see :class:`ModelFacts`)."""
+    """An int field in ``[least, bound]``; absent: the matched ``profile``'s ``attr``, else 0 (see
+    :class:`ModelFacts`)."""
+    fallback = getattr(profile, attr, None) if profile is not None else None
     value = _get(cfg, key)
     if value is _ABSENT:
         return fallback or 0
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= bound:
-        profile_hint = f", or remove it to use the {profile_name} profile's {fallback}" if fallback is not None else ""
+        profile_hint = f", or remove it to use the {profile.name} profile's {fallback}" if fallback is not None else ""
         raise _bad_value(where, key, value, f"an integer from {least} to {bound} (not a bool, float or string)",
                          f"set {key} to the model's value{profile_hint}")
     return value
@@ -138,15 +140,11 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     where = source or f"HF config of {name}"
     arch = _architectures(cfg, where)[0]
     profile = registry.by_arch.get(arch)
-    named = profile.name if profile else None
-    heads = _count(cfg, "num_attention_heads", MAX_HEADS, profile.num_heads if profile else None, where, named)
-    topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, profile.index_topk if profile else None, where, named)
-    geometry = {
-        key: _count(cfg, key, MAX_HEAD_WIDTH, getattr(profile, key, None) if profile else None, where, named, least)
-        for key, least in GEOMETRY_KEYS.items()
-    }
+    heads = _count(cfg, "num_attention_heads", MAX_HEADS, where, profile, "num_heads")
+    topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, where, profile, "index_topk")
+    geometry = {key: _count(cfg, key, MAX_HEAD_WIDTH, where, profile, key, least) for key, least in GEOMETRY_KEYS.items()}
     # Absent with no profile: no pooling (1), the same as every DSA model before GLM-5.3-Flash.
-    kpool = _count(cfg, "index_kpool", MAX_KPOOL, profile.index_kpool if profile else None, where, named) or 1
+    kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1
     return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, **geometry)
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..device import find_nvcc, nvcc_version
+from ..engines import SGLANG, VLLM
 from ..errors import KernelInputError, KernelUnavailable, format_error
 from . import flashinfer_table, layout
 
@@ -345,8 +346,6 @@ def _table_reasons(
     if max_tokens is None or max_tokens > limit:
         bound = f"up to {max_tokens} tokens" if max_tokens is not None else "unbounded length"
         calls = f"{phase} calls of {bound}"
-        from ..engines import SGLANG, VLLM  # engines imports kernels.layout: import here, not at the top
-
         # Decode calls can be bounded by the engine's settings; that is the fix to name. (The prefill
         # kernels' whole 64-entry index rows are no limit: the binding pads a row with -1.)
         bound_fix = (f"; decode calls of <= {limit} tokens would fit (mla-sm120 check --max-decode-tokens {limit}; "
