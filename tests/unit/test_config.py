@@ -217,9 +217,9 @@ def test_each_refusal_word_for_word(tmp_path, file_text, inline, expected):
 def test_the_file_source_is_named_as_the_user_named_it(tmp_path):
     missing = str(tmp_path / "missing.toml")
     tail = ": no such file\nsupported: an existing regular file: a plugin config TOML file\nfix: fix the path"
-    for kwargs, named_by in (({"config_file": missing}, "--config"), ({"env": {CONFIG_ENV: missing}}, CONFIG_ENV)):
+    for config_file, env, named_by in ((missing, {}, "--config"), (None, {CONFIG_ENV: missing}, CONFIG_ENV)):
         with pytest.raises(ConfigError) as err:
-            load_config(None, kernel_names=KERNELS, **{"env": {}, **kwargs})
+            load_config(None, kernel_names=KERNELS, env=env, config_file=config_file)
         assert str(err.value) == f"given: {named_by}={missing!r}{tail}"
 
 
@@ -231,31 +231,3 @@ def test_forced_by_names_each_forced_kernel_and_its_source(tmp_path):
     # "auto" forces nothing, wherever it is written
     auto = load_config({"decode_kernel": "auto"}, kernel_names=KERNELS, env={})
     assert auto.for_model(*GLM).forced_by() == "config"
-
-
-def test_an_unreadable_path_is_refused_with_the_systems_reason(tmp_path):
-    """files.py: an OSError other than a missing file is shown with its reason (here ENOTDIR)."""
-    (tmp_path / "file.toml").write_text("")
-    path = str(tmp_path / "file.toml" / "x.toml")
-    with pytest.raises(ConfigError) as err:
-        load_config(None, kernel_names=KERNELS, env={CONFIG_ENV: path})
-    assert str(err.value) == (f"given: MLA_SM120_CONFIG={path!r}: Not a directory\n"
-                              "supported: a readable regular file: a plugin config TOML file\n"
-                              "fix: fix the path or permissions")
-
-
-@pytest.mark.parametrize("text, shown", [
-    ("mla_sm120.toml", "mla_sm120.toml"),
-    ("caf\u00e9.toml", "caf\u00e9.toml"),  # valid UTF-8 stays as it is
-    ("caf\udce9.toml", "caf\\xe9.toml"),  # the byte 0xe9 alone, kept by Python as a lone surrogate
-    ("\udc80\u00e9\udcff", "\\x80\u00e9\\xff"),  # the ends of the escaped range, beside valid text
-    ("\udc80", "\\x80"), ("a\udcff", "a\\xff"),  # each end of the range on its own
-    ("\udc7f\udd00", "\udc7f\udd00"),  # just outside it: not an escaped byte, left alone
-    ("\udc80\udd00", "\\x80\udd00"),  # ... also beside one that is
-])
-def test_printable_writes_undecodable_bytes_as_hex(text, shown):
-    """files.printable: bytes that were not valid UTF-8 (0x80..0xff, kept as U+DC80..U+DCFF) are
-    written \\xNN; everything else is left as it is."""
-    from mla_sm120_plugin.files import printable
-
-    assert printable(text) == shown
