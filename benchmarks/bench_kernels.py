@@ -1,6 +1,6 @@
 """Kernel benchmarks as JSON: ``python benchmarks/bench_kernels.py [--quick|--sweep] [--device cpu|cuda]``.
 
-``--device cuda`` (default when a GPU is present): :func:`mla_sm120_plugin.kernels.bench.run_gpu_benchmarks`
+``--device cuda`` (default when a GPU is present): :func:`mla_sm120_plugin.tools.bench.run_gpu_benchmarks`
 (eager and CUDA-graph time, GB/s and TFLOP/s against ceilings measured in the same run, for the
 exact and fast Triton kernels and their candidate configurations), the same report as
 ``mla-sm120 bench``; the JSON is rewritten after every shape, so a run cut short keeps what it
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.traffic:
-        from mla_sm120_plugin.kernels import triton_plan
+        from mla_sm120_plugin.kernels.dsa import triton_plan
 
         print(triton_plan.format_report(args.traffic))
         for name in triton_plan.KERNELS:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _write(run_cpu_benchmarks(quick=args.quick), args.output)
         return 0
-    from mla_sm120_plugin.kernels.bench import plot, run_gpu_benchmarks
+    from mla_sm120_plugin.tools.bench import plot, run_gpu_benchmarks
 
     progress = (lambda partial: _write(partial, args.output)) if args.output else None
     report = run_gpu_benchmarks(device=device, quick=args.quick, compile_report=not args.sweep, progress=progress,

@@ -32,9 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels.bench import make_inputs
-from mla_sm120_plugin.kernels.reference import DEFAULT_MAX_CHUNK_BYTES, torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.tools.bench import make_inputs
+from mla_sm120_plugin.kernels.dsa.reference import DEFAULT_MAX_CHUNK_BYTES, torch_sparse_mla
 
 CPU_SHAPES_QUICK = [dict(num_heads=16, topk=2048, num_tokens=16)]
 CPU_SHAPES = [

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.dsa import layout, pack
 
 _MSCALE = 0.1 * math.log(40.0) + 1.0
 MODELS = {

@@ -16,7 +16,7 @@ _LAZY = {
     "explain": "mla_sm120_plugin.selection",
     "load_config": "mla_sm120_plugin.config",
     "get_registry": "mla_sm120_plugin.hooks.manager",
-    "sparse_mla_forward": "mla_sm120_plugin.kernels",
+    "sparse_mla_forward": "mla_sm120_plugin.dispatch.forward",
     "hookimpl": "mla_sm120_plugin.hooks.specs",
     "DeviceInfo": "mla_sm120_plugin.types",
     "KernelSpec": "mla_sm120_plugin.types",

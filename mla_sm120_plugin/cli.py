@@ -89,7 +89,7 @@ def _check(args: argparse.Namespace) -> int:
     from .context import EngineLimits, build_context, plugin_config
     from .engines import ENGINES
     from .hooks.manager import get_registry
-    from .kernels.layout import FP8_DS_MLA
+    from .kernels.dsa.layout import FP8_DS_MLA
     from .modelinfo import resolve_model
     from .selection import decision_to_dict, explain, select
 
@@ -129,7 +129,7 @@ def _hook_faults(reg: Any) -> list[str]:
     """Run every plugin's validate/select hooks once per model profile (planned SM120, fp8)."""
     from .device import parse_device
     from .errors import PluginError, UnsupportedConfiguration
-    from .kernels.layout import FP8_DS_MLA
+    from .kernels.dsa.layout import FP8_DS_MLA
     from .selection import select
     from .types import SelectionContext
 
@@ -223,9 +223,9 @@ def self_check_rows() -> list[dict[str, Any]]:
     import torch
 
     from .hooks.manager import get_registry
-    from .kernels import selfcheck
-    from .kernels.binding import bind
-    from .kernels.layout import FP8_DS_MLA, SCALE_FORMATS
+    from .dispatch import selfcheck
+    from .dispatch.binding import bind
+    from .kernels.dsa.layout import FP8_DS_MLA, SCALE_FORMATS
     from .selection import probe_reasons
 
     on_gpu = torch.cuda.is_available()
@@ -320,13 +320,13 @@ def _bench(args: argparse.Namespace) -> int:
                                             "kernels)", "pass --device cuda, or use --compile-only --arch 120 on a "
                                             "machine without a GPU"))
     if args.traffic:
-        from .kernels import triton_plan
+        from .kernels.dsa import triton_plan
 
         _emit("\n\n".join([triton_plan.format_report(args.traffic),
                             *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS)]))
         return EXIT_OK
     if args.compile_only:
-        from .kernels import compile_gate
+        from .tools import compile_gate
 
         result = compile_gate.report(args.arch)
         text = json.dumps(result, indent=2)
@@ -345,7 +345,7 @@ def _bench(args: argparse.Namespace) -> int:
         # variant on SM12x with fp8 MMAs and two CTAs an SM.
         ok = result["gate_passed"]
     else:
-        from .kernels import bench
+        from .tools import bench
 
         result = bench.run_gpu_benchmarks(device=args.device or "cuda", quick=args.quick)
         text = json.dumps(result, indent=2)

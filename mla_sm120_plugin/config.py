@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 from . import files
 from .errors import ConfigError, format_error
-from .kernels.layout import SCALE_FORMATS
+from .kernels.dsa.layout import SCALE_FORMATS
 from .types import AUTO, ENGINE_NATIVE_IMPLS, FAST, PRECISIONS
 
 CONFIG_ENV = "MLA_SM120_CONFIG"

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from . import config as config_mod
 from . import engines as engines_mod
 from .errors import ConfigError, format_error
-from .kernels.layout import ROPE_DIM
+from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
 

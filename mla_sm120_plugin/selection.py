@@ -16,7 +16,7 @@ from typing import Any
 from .engines import ENGINES
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
-from .kernels.layout import LAYOUTS, SCALE_FORMATS
+from .kernels.dsa.layout import LAYOUTS, SCALE_FORMATS
 from .types import (
     AUTO,
     DECODE,
@@ -348,7 +348,7 @@ def capacity(ctx: SelectionContext) -> dict[str, Any]:
     """Cache tokens one GiB holds (per layer) in the context's layout, beside the engine's fp8 and bf16
     layouts for the same model geometry: ``{"layouts": {name: {"token_bytes", "tokens_per_gib"}},
     "ratio_vs": {name: this layout's tokens / that one's}}``."""
-    from .kernels.layout import BF16, FP8_DS_MLA
+    from .kernels.dsa.layout import BF16, FP8_DS_MLA
 
     engine = ENGINES[ctx.engine]
     names = [ctx.kv_cache_dtype] + [engine.kv_layout(base, ctx.device.sm_family, ctx.qk_rope_head_dim)

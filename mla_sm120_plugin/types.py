@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
-from .kernels.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
+from .kernels.dsa.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -219,7 +219,7 @@ class KernelSpec:
     :param max_tokens: most query tokens one call takes; None for any.
     :param priority: higher wins under ``auto``.
     :param entry: ``"module:function"`` with the signature of
-        :func:`mla_sm120_plugin.kernels.sparse_mla_forward` minus ``kernel``; imported only when bound.
+        :func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward` minus ``kernel``; imported only when bound.
     :param probe: reasons it cannot run on a device; run once per device and cached.
     :param envelope: extra per-phase shape checks.
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
@@ -231,7 +231,7 @@ class KernelSpec:
         context asking ``precision="exact"`` rejects fast kernels.
     :param tolerance: the largest difference from the torch reference the kernel promises, as a
         fraction of the reference output's largest magnitude; the self-check at engine init
-        (:mod:`mla_sm120_plugin.kernels.selfcheck`) holds it to this.
+        (:mod:`mla_sm120_plugin.dispatch.selfcheck`) holds it to this.
     """
 
     name: str

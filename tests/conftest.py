@@ -40,8 +40,8 @@ def _fresh_registry():
     def clear():
         reset_registry()
         clear_probe_cache()
-        if "mla_sm120_plugin.kernels.selfcheck" in sys.modules:  # imports torch: only when used
-            sys.modules["mla_sm120_plugin.kernels.selfcheck"].clear_cache()
+        if "mla_sm120_plugin.dispatch.selfcheck" in sys.modules:  # imports torch: only when used
+            sys.modules["mla_sm120_plugin.dispatch.selfcheck"].clear_cache()
 
     clear()
     yield

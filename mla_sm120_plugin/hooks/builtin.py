@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..kernels.layout import SCALE_ARBITRARY, SCALE_POW2
+from ..kernels.dsa.layout import SCALE_ARBITRARY, SCALE_POW2
 from ..types import ModelProfile
 from .specs import hookimpl
 

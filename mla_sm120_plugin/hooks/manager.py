@@ -26,7 +26,7 @@ DISABLE_ENV = "MLA_SM120_DISABLE_PLUGINS"
 # Built-in hook modules, registered under these names exactly as an entry point would be.
 BUILTIN_PLUGINS: Mapping[str, str] = {
     "mla_sm120.models": "mla_sm120_plugin.hooks.builtin",
-    "mla_sm120.kernels": "mla_sm120_plugin.kernels.catalog",
+    "mla_sm120.kernels": "mla_sm120_plugin.dispatch.catalog",
     "mla_sm120.policy": "mla_sm120_plugin.hooks.policy",
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..engines import ENGINES
-from ..kernels.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, NVFP4_DS_MLA, ROPE_DIM
+from ..kernels.dsa.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, NVFP4_DS_MLA, ROPE_DIM
 from ..types import ModelProfile, Refusal, SelectionContext
 from .specs import hookimpl
 

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 from helpers import assert_kernel_close  # noqa: E402
 
 from mla_sm120_plugin.errors import KernelUnavailable  # noqa: E402
-from mla_sm120_plugin.kernels import layout, pack, selfcheck  # noqa: E402
-from mla_sm120_plugin.kernels.binding import bind  # noqa: E402
-from mla_sm120_plugin.kernels.catalog import TRITON  # noqa: E402
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla  # noqa: E402
-from mla_sm120_plugin.kernels.triton import triton_sparse_mla  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.dispatch import selfcheck  # noqa: E402
+from mla_sm120_plugin.dispatch.binding import bind  # noqa: E402
+from mla_sm120_plugin.dispatch.catalog import TRITON  # noqa: E402
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla  # noqa: E402
+from mla_sm120_plugin.kernels.dsa.triton import triton_sparse_mla  # noqa: E402
 
 
 def test_self_check_inside_an_engines_construction_context_on_the_gpu():
@@ -73,7 +74,7 @@ def test_flashinfer_refuses_a_gpu_that_is_not_sm12x():
     major, minor = torch.cuda.get_device_capability()
     if major == 12:
         pytest.skip("an SM12x GPU: tests/gpu/test_flashinfer_sm120.py runs FlashInfer here")
-    from mla_sm120_plugin.kernels import flashinfer
+    from mla_sm120_plugin.dispatch import flashinfer
 
     flashinfer.clear_caches()
     q, cache, indices = _case(2, 16, 256, seed=2)

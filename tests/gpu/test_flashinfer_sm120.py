@@ -25,7 +25,7 @@ def _skip_reason() -> str | None:
     if major != 12:
         return f"GPU is sm_{major}{minor}, not SM12x"
     try:
-        from mla_sm120_plugin.kernels.flashinfer import probe
+        from mla_sm120_plugin.dispatch.flashinfer import probe
     except ImportError as error:
         return f"binding import failed: {error}"
     reasons = probe()
@@ -40,10 +40,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 from mla_sm120_plugin.errors import KernelInputError, KernelUnavailable  # noqa: E402
-from mla_sm120_plugin.kernels import flashinfer as fi_binding  # noqa: E402
-from mla_sm120_plugin.kernels import layout  # noqa: E402
-from mla_sm120_plugin.kernels.pack import make_cache, quantize_fp8_ds_mla, write_to_cache  # noqa: E402
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla  # noqa: E402
+from mla_sm120_plugin.dispatch import flashinfer as fi_binding  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import layout  # noqa: E402
+from mla_sm120_plugin.kernels.dsa.pack import make_cache, quantize_fp8_ds_mla, write_to_cache  # noqa: E402
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla  # noqa: E402
 
 OUT_TOL = 5e-3  # upstream FlashInfer tolerance (atol = rtol)
 LSE_ATOL = 2e-2  # ours: fp8 Q moves the logits by ~1 %, not yet measured

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import DEVICE
-from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.dsa import layout, pack
 
 
 @dataclass

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 
 from conftest import build_case  # noqa: E402
 from helpers import KERNEL_REL_TOL, against_guard_page, assert_kernel_close  # noqa: E402
-from mla_sm120_plugin.kernels import triton as tk  # noqa: E402
-from mla_sm120_plugin.kernels import triton_fast as tf  # noqa: E402
-from mla_sm120_plugin.kernels import triton_plan as plan  # noqa: E402
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import triton as tk  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import triton_fast as tf  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan  # noqa: E402
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla  # noqa: E402
 
 KERNELS = {"exact": (tk._run, plan.EXACT, KERNEL_REL_TOL), "fast": (tf._run, plan.FAST, tf.TOLERANCE)}
 

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels import compile_gate
-from mla_sm120_plugin.kernels import triton as tk
+from mla_sm120_plugin.tools import compile_gate
+from mla_sm120_plugin.kernels.dsa import triton as tk
 
 
 @triton.jit

@@ -9,9 +9,10 @@ import torch
 
 from helpers import DEVICE, assert_kernel_close, assert_three_parts
 from mla_sm120_plugin.errors import KernelInputError
-from mla_sm120_plugin.kernels import layout, sparse_mla_forward
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS as KERNEL_NAMES
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin import sparse_mla_forward
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS as KERNEL_NAMES
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 T, H, TOPK = 3, 4, 20
 
@@ -131,7 +132,7 @@ def test_auto_asks_the_selection_and_agrees_with_the_reference(good, monkeypatch
     from helpers import KERNEL_REL_TOL
 
     from mla_sm120_plugin.hooks.manager import get_registry
-    from mla_sm120_plugin.kernels.catalog import TORCH, TRITON, TRITON_FAST
+    from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
     from mla_sm120_plugin.selection import choose_kernel_for_shape, clear_probe_cache
 
     # CPU tensors: FlashInfer (NVIDIA only) is never a candidate; Triton runs here only under its

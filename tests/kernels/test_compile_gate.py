@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from helpers import clean_env, run_cli
-from mla_sm120_plugin.kernels import compile_gate, layout
-from mla_sm120_plugin.kernels import triton as tk
-from mla_sm120_plugin.kernels import triton_plan as plan
+from mla_sm120_plugin.tools import compile_gate
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.dsa import triton as tk
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 
 
 @pytest.fixture(scope="module", params=sorted(compile_gate.ARCHES))

@@ -19,8 +19,9 @@ pytest.importorskip("flashinfer.mla", reason="the binding's envelope reads the i
                                              "flashinfer extra); the GPU machine has none")
 
 from mla_sm120_plugin.errors import KernelInputError  # noqa: E402
-from mla_sm120_plugin.kernels import flashinfer as fi  # noqa: E402
-from mla_sm120_plugin.kernels import layout, pack  # noqa: E402
+from mla_sm120_plugin.dispatch import flashinfer as fi  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.dsa import pack  # noqa: E402
 
 PAGES = 4
 SLOTS = PAGES * layout.PAGE_SIZE

@@ -1,7 +1,7 @@
 """The FlashInfer binding against the real installed flashinfer; no GPU needed.
 
 No part of flashinfer is mocked: the arguments the binding builds are bound to the installed
-wrapper's real signature, the packaged envelope table (kernels/flashinfer_envelope.json) is compared
+wrapper's real signature, the packaged envelope table (dispatch/flashinfer_envelope.json) is compared
 field by field with what the installed flashinfer reports, the envelope is checked against both, and
 the probe looks at this machine. The numerical test vs the reference is GPU-only:
 tests/gpu/test_flashinfer_sm120.py. Table logic that needs no flashinfer: test_flashinfer_table.py.
@@ -26,8 +26,9 @@ pytest.importorskip(
 import torch  # noqa: E402
 
 from mla_sm120_plugin.errors import KernelInputError, KernelUnavailable  # noqa: E402
-from mla_sm120_plugin.kernels import flashinfer as fi_binding  # noqa: E402
-from mla_sm120_plugin.kernels import flashinfer_table, layout  # noqa: E402
+from mla_sm120_plugin.dispatch import flashinfer as fi_binding  # noqa: E402
+from mla_sm120_plugin.dispatch import flashinfer_table
+from mla_sm120_plugin.kernels.dsa import layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADS = (4, 64, 128)
@@ -360,7 +361,7 @@ def test_input_errors_name_the_argument(monkeypatch):
 
 def test_module_import_is_light():
     code = (
-        "import sys; import mla_sm120_plugin.kernels.flashinfer as m; "
+        "import sys; import mla_sm120_plugin.dispatch.flashinfer as m; "
         "m.NATIVE_FORMATS; print(sorted(k for k in ('torch', 'flashinfer') if k in sys.modules))"
     )
     baseline = "import sys; import mla_sm120_plugin.kernels; print('torch' in sys.modules)"

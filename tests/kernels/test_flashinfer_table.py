@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import clean_env
 
-from mla_sm120_plugin.kernels import catalog, flashinfer_table
-from mla_sm120_plugin.kernels import flashinfer as fi_binding
-from mla_sm120_plugin.kernels.layout import FP8_DS_MLA, SCALE_ARBITRARY
+from mla_sm120_plugin.dispatch import catalog, flashinfer_table
+from mla_sm120_plugin.dispatch import flashinfer as fi_binding
+from mla_sm120_plugin.kernels.dsa.layout import FP8_DS_MLA, SCALE_ARBITRARY
 from mla_sm120_plugin.types import PREFILL, DeviceInfo, SelectionContext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +43,9 @@ def _as_installed(monkeypatch, version):
 def test_data_file_is_package_data():
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    package_data = pyproject["tool"]["setuptools"]["package-data"]["mla_sm120_plugin.kernels"]
+    package_data = pyproject["tool"]["setuptools"]["package-data"]["mla_sm120_plugin.dispatch"]
     assert flashinfer_table.DATA_FILE.name in package_data
-    assert flashinfer_table.DATA_FILE.parent == ROOT / "mla_sm120_plugin" / "kernels"
+    assert flashinfer_table.DATA_FILE.parent == ROOT / "mla_sm120_plugin" / "dispatch"
 
 
 def test_packaged_table_holds_what_the_envelope_reads():
@@ -121,7 +121,7 @@ def test_note_without_flashinfer_names_the_packaged_version(monkeypatch):
 
 def test_installed_version_reads_metadata_only():
     code = (
-        "import sys; from mla_sm120_plugin.kernels import flashinfer_table as t; "
+        "import sys; from mla_sm120_plugin.dispatch import flashinfer_table as t; "
         "t.installed_version(); t.table(); t.table_note(); "
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )

@@ -27,11 +27,12 @@ import torch
 
 from helpers import BF16_ULP, DEVICE, KERNEL_REL_TOL, ON_GPU, assert_three_parts, clean_env, scaled_atol
 from mla_sm120_plugin.errors import KernelInputError
-from mla_sm120_plugin.kernels import layout, pack, sparse_mla_forward
-from mla_sm120_plugin.kernels import triton as tk
-from mla_sm120_plugin.kernels import triton_fast as tf
-from mla_sm120_plugin.kernels import triton_plan as plan
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin import sparse_mla_forward
+from mla_sm120_plugin.kernels.dsa import triton as tk
+from mla_sm120_plugin.kernels.dsa import triton_fast as tf
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 from test_reference import REF_REL_TOL  # the reference's own tolerance against float64
 
 NOPE_FP8 = ("fp8_ds_mla_nope", "fp8_nope")
@@ -50,9 +51,9 @@ def test_the_layouts_are_the_bytes_the_oracle_reads():
 
 def test_the_public_docstring_table_is_the_layout_data():
     """sparse_mla_forward's docstring states D and the row per layout: they are layout.py's."""
-    from mla_sm120_plugin import kernels
+    from mla_sm120_plugin.dispatch import forward
 
-    rows = [line.split() for line in kernels.sparse_mla_forward.__doc__.splitlines()
+    rows = [line.split() for line in forward.sparse_mla_forward.__doc__.splitlines()
             if line.strip().startswith('"') and line.split()[1].isdigit()]
     stated = {cols[0].strip('"'): (int(cols[1]), int(cols[2])) for cols in rows}
     assert stated == {name: (lay.head_dim, lay.row) for name, lay in layout.LAYOUTS.items()}
@@ -361,7 +362,7 @@ def test_public_entry_serves_every_nope_layout(make_case, kv_layout):
 def test_catalog_lists_the_layouts_each_kernel_reads():
     """The exact Triton kernel and the reference read every layout; the fast kernel every fp8 one
     (it hands bf16 to the exact kernel, which the registry need not know)."""
-    from mla_sm120_plugin.kernels import catalog
+    from mla_sm120_plugin.dispatch import catalog
 
     assert catalog.TRITON_SPEC.kv_cache_dtypes == frozenset(layout.KV_LAYOUTS)
     assert catalog.TORCH_SPEC.kv_cache_dtypes == frozenset(layout.KV_LAYOUTS)
@@ -420,7 +421,7 @@ def test_reference_memory_stays_under_its_bound(make_case, kv_layout):
     """The reference's bound is per layout (raw row, head_dim-wide fp32 keys): measured against it."""
     from cpu_memory import LiveTensorPeak  # benchmarks/ is on pytest's pythonpath
 
-    from mla_sm120_plugin.kernels.reference import bytes_per_token
+    from mla_sm120_plugin.kernels.dsa.reference import bytes_per_token
 
     case = glm53_case(make_case, kv_layout, heads=16, tokens=12, width=256, valid=256, page_size=64, scale_format="pow2",
                       seed=10, num_pages=4)

@@ -13,9 +13,9 @@ import torch
 
 from helpers import KERNEL_REL_TOL
 from mla_sm120_plugin.errors import KernelInputError
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels import triton as tk
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.kernels.dsa import triton as tk
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 NV = layout.NVFP4_DS_MLA
 BLOCK = 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_sm120_plugin.errors import KernelInputError
-from mla_sm120_plugin.kernels import layout, pack
+from mla_sm120_plugin.kernels.dsa import layout, pack
 
 @pytest.fixture
 def make_case(make_case):

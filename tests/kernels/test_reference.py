@@ -16,8 +16,8 @@ import torch
 import layout_oracle
 from cpu_memory import LiveTensorPeak  # benchmarks/ is on pytest's pythonpath
 from helpers import BF16_ULP, scaled_atol
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels.reference import bytes_per_token, tokens_per_chunk, torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.kernels.dsa.reference import bytes_per_token, tokens_per_chunk, torch_sparse_mla
 
 # The reference computes in fp32, the dense formula in float64, from the same cache bytes: the
 # difference is fp32 rounding over 576-wide dots and up to topk-term sums, which grows with

@@ -7,9 +7,10 @@ import pytest
 from helpers import DEVICE, demo_plugins_except
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry, reset_registry
-from mla_sm120_plugin.kernels import layout, selfcheck
-from mla_sm120_plugin.kernels.binding import bind
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.dispatch import selfcheck
+from mla_sm120_plugin.dispatch.binding import bind
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 
 CASES = [(layout.FP8_DS_MLA, layout.SCALE_ARBITRARY), (layout.FP8_DS_MLA, layout.SCALE_POW2), (layout.BF16, layout.SCALE_ARBITRARY),
          # GLM-5.3-Flash's rope-less rows: SGLang's packed fp8 (pow2-written here) and bf16
@@ -36,7 +37,7 @@ def test_the_case_is_the_layouts_own_and_ignores_the_engines_defaults(kv_layout)
     with its reserved bytes zero, 64-row pages, the adversarial lead of token 0."""
     import torch
 
-    from mla_sm120_plugin.kernels import pack
+    from mla_sm120_plugin.kernels.dsa import pack
 
     key = selfcheck.CheckKey(TRITON, "decode", kv_layout, "arbitrary", "pow2", 5, 100, "bf16", "cpu")
     plain = selfcheck._case(key, torch.device("cpu"))

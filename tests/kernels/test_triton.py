@@ -18,9 +18,10 @@ import torch
 
 from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
 from mla_sm120_plugin.errors import KernelInputError
-from mla_sm120_plugin.kernels import layout, sparse_mla_forward
-from mla_sm120_plugin.kernels import triton as tk
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin import sparse_mla_forward
+from mla_sm120_plugin.kernels.dsa import triton as tk
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels import triton_fast as tf
-from mla_sm120_plugin.kernels import triton_plan as plan
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.kernels.dsa import triton_fast as tf
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",

@@ -32,7 +32,7 @@ from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 from mla_sm120_plugin.types import DECODE, PREFILL
 
 INLINE = f"{plugin.FLAG}-config / --dsa-*-backend"

@@ -26,9 +26,9 @@ from sglang.srt.server_args import ServerArgs
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
-from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
-from mla_sm120_plugin.kernels.triton import triton_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.dsa.triton import triton_sparse_mla
 
 HEADS, TOPK, PAGES, SEQ = 16, 64, 4, 200  # 256 slots; every request sees 200 tokens
 
@@ -181,7 +181,7 @@ def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
 
 
 def _spy_on_bound_kernels(seen: list) -> None:
-    from mla_sm120_plugin.kernels.binding import BoundKernel
+    from mla_sm120_plugin.dispatch.binding import BoundKernel
 
     state = hooks.bound_state()
     for phase, bound in list(state.kernels.items()):
@@ -200,7 +200,7 @@ def _spy_on_bound_kernels(seen: list) -> None:
 ])
 def test_the_call_site_hands_every_binding_64_row_pages(tmp_path, capability, monkeypatch, kv, entry, mode,
                                                         num_tokens):
-    from mla_sm120_plugin.kernels import api, flashinfer
+    from mla_sm120_plugin.dispatch import forward as api, flashinfer
 
     _decide(tmp_path, capability, monkeypatch, kv)
     gen = torch.Generator().manual_seed(3)

@@ -25,7 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 
 HEADS, PAGES, WIDTH = 8, 4, 2051  # 256 slots; 2048 + kpool 4 - 1 ids a row
 

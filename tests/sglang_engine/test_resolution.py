@@ -14,7 +14,7 @@ from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
 def SGLANG_ALONE(view):  # noqa: N802 - reads as the name of SGLang's own pass

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mla_sm120_plugin.config import CONFIG_ENV, load_config
 from mla_sm120_plugin.errors import ConfigError
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.types import ENGINE_NATIVE_IMPLS
 
 KERNELS = BUILTIN_KERNELS

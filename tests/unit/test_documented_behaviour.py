@@ -24,8 +24,8 @@ from mla_sm120_plugin.config import CONFIG_ENV, load_config
 from mla_sm120_plugin.context import clear_config_cache
 from mla_sm120_plugin.errors import ConfigError
 from mla_sm120_plugin.hooks.manager import get_registry
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS, FLASHINFER, TORCH, TRITON
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS, FLASHINFER, TORCH, TRITON
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 from mla_sm120_plugin.modelinfo import resolve_model
 
 GLM_NAME, GLM_ARCH = "zai-org/GLM-5-FP8", "GlmMoeDsaForCausalLM"

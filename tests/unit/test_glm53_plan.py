@@ -10,8 +10,8 @@ from helpers import run_cli
 from model_configs import write_model
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
-from mla_sm120_plugin.kernels import flashinfer
-from mla_sm120_plugin.kernels.catalog import FLASHINFER
+from mla_sm120_plugin.dispatch import flashinfer
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER
 from mla_sm120_plugin.selection import select
 from mla_sm120_plugin.types import DeviceInfo, SelectionContext
 

@@ -19,7 +19,7 @@ from mla_sm120_plugin import cli, files
 from mla_sm120_plugin.config import CONFIG_ENV, load_config
 from mla_sm120_plugin.errors import ConfigError, MlaSm120Error, UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.modelinfo import MAX_HEADS, MAX_INDEX_TOPK, ModelFacts, facts_from_hf_config, resolve_model
 
 GLM_ARCH = "GlmMoeDsaForCausalLM"

@@ -17,7 +17,7 @@ from mla_sm120_plugin.context import EngineLimits, build_context
 from mla_sm120_plugin.device import parse_device
 from mla_sm120_plugin.engines import ENGINES
 from mla_sm120_plugin.hooks.policy import mla_sm120_validate
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.modelinfo import ModelFacts
 from mla_sm120_plugin.types import SelectionContext
 

@@ -9,7 +9,7 @@ import pytest
 from mla_sm120_plugin.errors import PluginError
 from mla_sm120_plugin.hooks import hookimpl
 from mla_sm120_plugin.hooks.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
-from mla_sm120_plugin.kernels.catalog import BUILTIN_KERNELS
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.types import KernelSpec, ModelProfile
 
 from helpers import DEMO_BROKEN as BROKEN

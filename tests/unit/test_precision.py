@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_three_parts, run_cli
 
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TRITON, TRITON_FAST, TRITON_FAST_SPEC
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TRITON, TRITON_FAST, TRITON_FAST_SPEC
 from mla_sm120_plugin.selection import select
 from mla_sm120_plugin.types import DeviceInfo, KernelSpec, SelectionContext
 
@@ -74,14 +74,14 @@ def test_a_kernel_must_state_its_precision(precision):
 
 
 def test_the_fast_kernels_declared_tolerance_is_the_kernels_own():
-    from mla_sm120_plugin.kernels import triton_fast
+    from mla_sm120_plugin.kernels.dsa import triton_fast
 
     assert TRITON_FAST_SPEC.tolerance == triton_fast.TOLERANCE
     assert TRITON_FAST_SPEC.precision == "fast" and TRITON_FAST_SPEC.priority < 300  # below FlashInfer's
 
 
 def test_bench_traffic_prints_the_model_and_the_tables():
-    from mla_sm120_plugin.kernels import triton_plan
+    from mla_sm120_plugin.kernels.dsa import triton_plan
 
     for family in triton_plan.FAMILIES:
         res = run_cli("bench", "--traffic", family)

@@ -18,7 +18,7 @@ from vllm.config import SpeculativeConfig, VllmConfig
 
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.integration.vllm.backend import context_from_vllm, decide, engine_limits
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 
 INLINE = "--additional-config mla_sm120"
 

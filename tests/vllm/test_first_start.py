@@ -22,9 +22,10 @@ from model_configs import write_model
 from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
-from mla_sm120_plugin.kernels import api, flashinfer, layout, pack, selfcheck
-from mla_sm120_plugin.kernels.binding import BoundKernel
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON, TRITON_FAST
+from mla_sm120_plugin.dispatch import forward as api, flashinfer, selfcheck
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.dispatch.binding import BoundKernel
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.types import DECODE, PREFILL
 
 HEADS, TOPK = 5, 100
@@ -61,7 +62,7 @@ def _cuda_device_this_process_cannot_use(monkeypatch) -> torch.device:
 
 
 def test_a_case_the_device_cannot_hold_fails_the_check_with_a_reason(monkeypatch):
-    from mla_sm120_plugin.kernels.binding import bind
+    from mla_sm120_plugin.dispatch.binding import bind
 
     device = _cuda_device_this_process_cannot_use(monkeypatch)
     result = selfcheck.check(bind(TORCH), phase=DECODE, kv_layout=layout.FP8_DS_MLA,

@@ -14,8 +14,8 @@ import torch
 from model_configs import write_model
 from vllm_engine import build_metadata, common_metadata, logical_topk, make_impl, make_vllm_config
 
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
-from mla_sm120_plugin.kernels.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.dsa.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
 
 HEADS, TOPK, PAGE, STRIDE_ROWS, NUM_BLOCKS = 5, 100, 64, 128, 12
 Q_LENS = [1, 1, 5, 3]  # decodes first, as vLLM reorders them

@@ -19,7 +19,7 @@ from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_co
 
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
 from mla_sm120_plugin.hooks.manager import get_registry
-from mla_sm120_plugin.kernels import pack
+from mla_sm120_plugin.kernels.dsa import pack
 
 HEADS, PAGE, STRIDE_ROWS, NUM_BLOCKS = 8, 64, 128, 12
 WIDTH = 2176  # round_up(index_topk 2048 + kpool 4 - 1, 128): the indexer buffer's width

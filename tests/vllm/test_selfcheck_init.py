@@ -13,7 +13,7 @@ from vllm_engine import make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import reset_registry
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON_FAST
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON_FAST
 from mla_sm120_plugin.types import DECODE, PREFILL
 
 HEADS, TOPK = 5, 100

@@ -11,7 +11,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
-from mla_sm120_plugin.kernels.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
 def _validate(vc, kv="fp8_ds_mla", cap=(12, 0)):

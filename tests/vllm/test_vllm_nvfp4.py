@@ -14,8 +14,8 @@ from vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
-from mla_sm120_plugin.kernels import pack
-from mla_sm120_plugin.kernels.catalog import TORCH, TRITON
+from mla_sm120_plugin.kernels.dsa import pack
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 
 NV = "nvfp4_ds_mla"
 HEADS, TOPK, PAGE, STRIDE_ROWS, NUM_BLOCKS = 5, 100, 64, 128, 12

@@ -43,7 +43,7 @@ from ...context import EngineLimits, build_context, context_from_json, context_t
 from ...device import from_capability
 from ...errors import KernelInputError, PluginError, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
-from ...kernels.layout import get as get_layout
+from ...kernels.dsa.layout import get as get_layout
 from ...modelinfo import facts_from_hf_config
 from ...selection import DECODE_TOKENS_MAX, select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
@@ -262,7 +262,7 @@ def _claim_workspace() -> None:
     """Give SGLang's FlashInfer workspace name an empty buffer before its constructor allocates one."""
     import torch
 
-    from ...kernels.selfcheck import engine_device
+    from ...dispatch.selfcheck import engine_device
 
     get_buffer = pkgutil.resolve_name(BUFFERS)
     get_buffer(WORKSPACE_BUFFER, lambda: torch.empty(0, dtype=torch.uint8, device=engine_device()))
@@ -411,7 +411,7 @@ class BoundState:
         """
         import torch
 
-        from ...kernels.pack import page_view
+        from ...kernels.dsa.pack import page_view
 
         cache = get_layout(self.kv_layout)
         rows = kv_cache.view(torch.uint8) if cache.fp8 else kv_cache
@@ -433,8 +433,8 @@ def bound_state() -> BoundState:
             f"{ENABLE_ENV} is on in this process but the launcher's decision ({CONTEXT_ENV}) did not reach it",
             "SGLang's launcher resolving the DSA backends with the plugin enabled",
             f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
-    from ...kernels import selfcheck
-    from ...kernels.binding import bind
+    from ...dispatch import selfcheck
+    from ...dispatch.binding import bind
 
     ctx = context_from_json(text)
     decision = select(ctx)

@@ -31,10 +31,10 @@ from ...context import EngineLimits, build_context, plugin_config
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...hooks.policy import SERVED_SM_FAMILIES
-from ...kernels import selfcheck
-from ...kernels.binding import BoundKernel, bind
-from ...kernels.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
-from ...kernels.pack import page_view
+from ...dispatch import selfcheck
+from ...dispatch.binding import BoundKernel, bind
+from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
+from ...kernels.dsa.pack import page_view
 from ...modelinfo import facts_from_hf_config
 from ...selection import select
 from ...types import DECODE, PREFILL, Decision, SelectionContext

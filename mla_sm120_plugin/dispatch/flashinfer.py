@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..device import find_nvcc, nvcc_version
 from ..engines import SGLANG, VLLM
 from ..errors import KernelInputError, KernelUnavailable, format_error
-from . import flashinfer_table, layout
+from ..kernels.dsa import layout
+from . import flashinfer_table
 
 if TYPE_CHECKING:
     import torch
@@ -445,7 +446,7 @@ def _kv_pages(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int, int, bool]:
                 f"[pages, {layout.PAGE_SIZE}, row] pages, or flat rows that form whole "
                 f"{layout.PAGE_SIZE}-row pages (back to back, a multiple of {layout.PAGE_SIZE} rows)",
                 f"pass the cache as pages: rows.view(-1, {layout.PAGE_SIZE}, row) "
-                "(mla_sm120_plugin.kernels.pack.page_view)",
+                "(mla_sm120_plugin.kernels.dsa.pack.page_view)",
             )
         kv_cache = kv_cache.view(-1, layout.PAGE_SIZE, kv_cache.shape[1])
     if kv_cache.dim() == 3:
@@ -743,7 +744,7 @@ def flashinfer_sparse_mla(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA through FlashInfer's SM120/SM121 kernels (``SparseMLASm120Wrapper.run``).
 
-    Semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla`, within fp8 Q/P
+    Semantics as :func:`mla_sm120_plugin.kernels.dsa.reference.torch_sparse_mla`, within fp8 Q/P
     tolerance. Graph-safe after one eager call per shape: no host sync, no allocation of FlashInfer
     state during capture.
 

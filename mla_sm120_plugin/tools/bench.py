@@ -13,14 +13,14 @@ launch configuration, as vLLM calls it (the kernel function with its own output 
 * ``graph_us``: ``triton.testing.do_bench_cudagraph`` (what vLLM's captured decode sees);
 * ``host_us``: eager minus graph, the launch and Python cost of one call;
 * ``gbps``: ``T * topk * row`` cache bytes / graph time (``row``: the bytes of a row the kernels
-  load, :func:`~mla_sm120_plugin.kernels.triton_plan.row_bytes_read`: 656, 528 rope-less), and its
+  load, :func:`~mla_sm120_plugin.kernels.dsa.triton_plan.row_bytes_read`: 656, 528 rope-less), and its
   fraction of the measured device-to-device copy bandwidth (bytes read plus written);
 * ``tflops``: ``2 * T * H * topk * (head_dim + 512)`` / graph time (head_dim 576, 512 rope-less),
   and its fraction of the measured dense bf16 matmul rate;
 * ``max_rel_diff`` against the torch reference (on the first :data:`REFERENCE_TOKENS` tokens) and
   the kernel's declared ``tolerance``;
 * ``config`` and ``traffic``: the launch configuration and the bytes its launches move
-  (:func:`mla_sm120_plugin.kernels.triton_plan.traffic`: the same model the table is chosen by,
+  (:func:`mla_sm120_plugin.kernels.dsa.triton_plan.traffic`: the same model the table is chosen by,
   computable without a GPU), so a timing can be read against its bytes.
 
 On sm_90 (H100/H200) the fast kernel's fp8 dots are emulated - Triton widens the e4m3 operands to
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels import triton_plan as plan
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 TOPK = 2048
 SWEEP_TOKENS = (1, 64, 2048)  # single-token decode, a 64-token decode step, a long prefill
@@ -119,8 +119,8 @@ def candidate_configs(kernel: str, num_tokens: int, num_heads: int, topk: int,
 
 
 def _triton_fn(kernel: str, inputs: dict[str, Any], cfg: plan.LaunchConfig, out: torch.Tensor):
-    from mla_sm120_plugin.kernels import triton as exact
-    from mla_sm120_plugin.kernels import triton_fast as fast
+    from mla_sm120_plugin.kernels.dsa import triton as exact
+    from mla_sm120_plugin.kernels.dsa import triton_fast as fast
 
     run = exact._run if kernel == plan.EXACT.name else fast._run
     return lambda: run(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
@@ -130,7 +130,7 @@ def _triton_fn(kernel: str, inputs: dict[str, Any], cfg: plan.LaunchConfig, out:
 
 def _bound_fn(name: str, inputs: dict[str, Any], out: torch.Tensor):
     """A registered kernel as the vLLM impl calls it: its own output buffer, no validation."""
-    from mla_sm120_plugin.kernels.binding import bind
+    from mla_sm120_plugin.dispatch.binding import bind
 
     bound = bind(name)
     return lambda: bound.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
@@ -139,7 +139,7 @@ def _bound_fn(name: str, inputs: dict[str, Any], out: torch.Tensor):
 
 def _tolerance(kernel: str) -> float | None:
     if kernel == plan.FAST.name:
-        from mla_sm120_plugin.kernels import triton_fast
+        from mla_sm120_plugin.kernels.dsa import triton_fast
 
         return triton_fast.TOLERANCE
     if kernel == plan.EXACT.name:
@@ -212,7 +212,7 @@ def run_gpu_benchmarks(device: str = "cuda", quick: bool = False, *, shapes: lis
     (JSON-serializable); see the module docstring. ``compile_report`` adds the compile gate's readings for this GPU's arch;
     ``progress``, if given, is called with the report so far after every shape (a run cut short
     by a time limit keeps what it measured)."""
-    from mla_sm120_plugin.kernels import compile_gate
+    from mla_sm120_plugin.tools import compile_gate
 
     if not torch.cuda.is_available():
         from mla_sm120_plugin.errors import KernelUnavailable, format_error

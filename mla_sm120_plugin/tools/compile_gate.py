@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.dsa import layout
 
 # Compute capability as Triton's GPUTarget takes it -> shared memory one block may use (bytes).
 ARCHES = {120: 101_376, 121: 101_376, 90: 232_448}
@@ -68,7 +68,7 @@ def _describe(describe: dict[str, Any]) -> str:
 
 
 def launches() -> list[Any]:
-    """One :class:`~mla_sm120_plugin.kernels.triton.Launch` per distinct variant the dispatcher can
+    """One :class:`~mla_sm120_plugin.kernels.dsa.triton.Launch` per distinct variant the dispatcher can
     launch: for the exact kernel, cache layout (every one of ``layout.KV_LAYOUTS``, rope-less ones
     included) x output dtype (q's: bf16 or fp32; q itself is always bf16 on a GPU) x final/split;
     for the fast kernel the same over the fp8 layouts (``layout.FP8_LAYOUTS``; a bf16 cache goes to
@@ -84,10 +84,10 @@ def launches() -> list[Any]:
 
     import torch
 
-    from mla_sm120_plugin.kernels import pack
-    from mla_sm120_plugin.kernels import triton as tk
-    from mla_sm120_plugin.kernels import triton_fast as tf
-    from mla_sm120_plugin.kernels import triton_plan
+    from mla_sm120_plugin.kernels.dsa import pack
+    from mla_sm120_plugin.kernels.dsa import triton as tk
+    from mla_sm120_plugin.kernels.dsa import triton_fast as tf
+    from mla_sm120_plugin.kernels.dsa import triton_plan
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
     found: dict[tuple, Any] = {}

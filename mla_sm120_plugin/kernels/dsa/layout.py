@@ -31,7 +31,7 @@ from a constant that assumes a rope part.
 
 Pages hold :data:`PAGE_SIZE` tokens. This module is pure Python so that the selection and the CLI
 can use it without importing torch; the torch code that packs and unpacks these bytes is in
-:mod:`mla_sm120_plugin.kernels.pack`.
+:mod:`mla_sm120_plugin.kernels.dsa.pack`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 with or without a rope part, 656 or 528 bytes; bf16 rows of 576 or 512) directly, dequantizes
 in-kernel. Its fp8-MMA sibling, :mod:`.triton_fast`, shares the launch machinery below.
 
-Same semantics as :func:`mla_sm120_plugin.kernels.reference.torch_sparse_mla` (FACTS.md section 4).
+Same semantics as :func:`mla_sm120_plugin.kernels.dsa.reference.torch_sparse_mla` (FACTS.md section 4).
 
 Structure. One program handles one query token, a block of ``BLOCK_H`` heads and one range of
 top-k candidates (a *split*). It walks its range ``BLOCK_K`` candidates at a time with an online
@@ -47,7 +47,7 @@ reserved bytes (``fp8_ds_mla_nope``'s [528, 656)) are never loaded.
 Variants. The constexpr parameters are the layout's (``IS_FP8``, ``ROPE``, ``ROPE_OFF``),
 final/split, ``BLOCK_H``, ``BLOCK_K`` and ``DOT_BF16``; the output's dtype is its pointer type (q
 is bf16 on a GPU). Whether ``topk_length``, ``sink`` and the LSE are used is decided by runtime scalars (never specialized), so they do not
-multiply the compiled variants. :mod:`mla_sm120_plugin.kernels.compile_gate` compiles every variant
+multiply the compiled variants. :mod:`mla_sm120_plugin.tools.compile_gate` compiles every variant
 :func:`launch_config` can pick, for sm_120a, sm_121a and sm_90a, without a GPU.
 """
 
@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -475,10 +475,10 @@ def triton_sparse_mla(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged KV cache with Triton (same contract as ``torch_sparse_mla``).
 
-    Trusts its inputs: :func:`mla_sm120_plugin.kernels.sparse_mla_forward` validates them.
+    Trusts its inputs: :func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward` validates them.
 
     The contract (every argument's shape and dtype, per layout) is
-    :func:`mla_sm120_plugin.kernels.sparse_mla_forward`'s; in short:
+    :func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward`'s; in short:
 
     q: [T, H, layout.head_dim] (576, or 512 for a rope-less layout), bfloat16 or float32, last dim
         contiguous

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration, format_error
-from mla_sm120_plugin.kernels import layout, pack
-from mla_sm120_plugin.kernels.binding import BoundKernel, bind
-from mla_sm120_plugin.kernels.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa import layout, pack
+from mla_sm120_plugin.dispatch.binding import BoundKernel, bind
+from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 ENV = "MLA_SM120_SELF_CHECK"
 MODES = ("on", "off", "strict")

@@ -1,7 +1,7 @@
 """Pack, unpack and store KV-cache tokens in the layouts of :mod:`.layout` (torch).
 
-The byte layout itself is described once, in :mod:`mla_sm120_plugin.kernels.layout`, as data
-(:class:`~mla_sm120_plugin.kernels.layout.CacheLayout`); this module only moves values into and out
+The byte layout itself is described once, in :mod:`mla_sm120_plugin.kernels.dsa.layout`, as data
+(:class:`~mla_sm120_plugin.kernels.dsa.layout.CacheLayout`); this module only moves values into and out
 of those bytes, for every layout, driven by that data: :func:`pack` and :func:`dequantize`. It is
 the writer the tests and benchmarks use, and the dequantizer the torch reference uses.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels import layout, nvfp4
+from mla_sm120_plugin.kernels.dsa import layout, nvfp4
 
 # An all-zero tile has amax 0, so `amax / 448` would be a zero scale and `x / scale` 0/0. Any
 # nonzero scale stores such a tile exactly (every fp8 value is 0), so we store 1.0: a readable,

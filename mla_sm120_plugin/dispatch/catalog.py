@@ -13,7 +13,7 @@ from typing import Iterator
 from ..hooks.specs import hookimpl
 from ..types import DECODE, FAST, PREFILL, DeviceInfo, KernelSpec, ModelProfile, SelectionContext
 from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
-from .layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
+from ..kernels.dsa.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
 
 FLASHINFER = "flashinfer_sparse_mla"
 TRITON_FAST = "triton_sparse_mla_fast"
@@ -47,7 +47,7 @@ def _flashinfer_probe(device: DeviceInfo) -> tuple[str, ...]:
 
 
 def _flashinfer_envelope(ctx: SelectionContext, phase: str, profile: ModelProfile | None) -> tuple[str, ...]:
-    # FlashInfer's table ships with the plugin (kernels/flashinfer_table.py): a planned check and a
+    # FlashInfer's table ships with the plugin (dispatch/flashinfer_table.py): a planned check and a
     # core-only install decide as the engine does, without importing flashinfer or torch. Where the
     # device is this machine's and flashinfer is installed, its own table is read too (the probe
     # gates binding on that install anyway) and the reasons of both count. The FlashInfer family
@@ -100,7 +100,7 @@ FLASHINFER_SPEC = KernelSpec(
     vendors=frozenset({"nvidia"}),
     sm_families=frozenset({12}),
     priority=300,
-    entry="mla_sm120_plugin.kernels.flashinfer:flashinfer_sparse_mla",
+    entry="mla_sm120_plugin.dispatch.flashinfer:flashinfer_sparse_mla",
     probe=_flashinfer_probe,
     envelope=_flashinfer_envelope,
     envelope_note=_flashinfer_table_note,
@@ -121,7 +121,7 @@ TRITON_FAST_SPEC = KernelSpec(
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
     priority=250,
-    entry="mla_sm120_plugin.kernels.triton_fast:triton_sparse_mla_fast",
+    entry="mla_sm120_plugin.kernels.dsa.triton_fast:triton_sparse_mla_fast",
     probe=_triton_probe,
     graph_safe=True,
     description="Triton fp8-MMA kernel (block-scaled QMMA on SM12x, emulated on sm_90): e4m3 q/p, bf16 partials",
@@ -137,7 +137,7 @@ TRITON_SPEC = KernelSpec(
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
     priority=200,
-    entry="mla_sm120_plugin.kernels.triton:triton_sparse_mla",
+    entry="mla_sm120_plugin.kernels.dsa.triton:triton_sparse_mla",
     probe=_triton_probe,
     graph_safe=True,
     description="portable Triton kernel, split-K decode, in-kernel fp8 dequant",
@@ -154,7 +154,7 @@ TORCH_SPEC = KernelSpec(
     kv_cache_dtypes=frozenset({FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, BF16, BF16_NOPE}),
     vendors=frozenset({"nvidia", "amd", "cpu"}),
     priority=100,
-    entry="mla_sm120_plugin.kernels.reference:torch_sparse_mla",
+    entry="mla_sm120_plugin.kernels.dsa.reference:torch_sparse_mla",
     probe=_torch_probe,
     # Chunked loops and boolean masks: not capturable, and far too slow to serve from a graph.
     graph_safe=False,

@@ -1,11 +1,11 @@
 """How the Triton kernels cut a call into programs, and the bytes each cut moves (pure Python).
 
 Nothing here imports torch or triton: the table, the rule behind it and the traffic model run on
-any machine (``python -m mla_sm120_plugin.kernels.triton_plan`` prints them).
+any machine (``python -m mla_sm120_plugin.kernels.dsa.triton_plan`` prints them).
 
 The kernels. A program handles one query token, ``block_h`` heads and one *split* (a range of
 ``chunk`` top-k candidates, ``block_k`` a step). What the compiler made of each kernel's main
-variant, read by :mod:`~mla_sm120_plugin.kernels.compile_gate` from the cubin (Triton 3.8):
+variant, read by :mod:`~mla_sm120_plugin.tools.compile_gate` from the cubin (Triton 3.8):
 
 * ``triton_sparse_mla`` (exact, bf16 MMAs): 16 heads x 32 candidates, 8 warps, 134 registers and
   56.8 KB of shared memory on sm_120a, so 1 CTA per SM (2 on sm_90a: 128 registers, 228 KB an SM);
@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.dsa import layout
 
 MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
 EXTRA_FRACTION = 0.2  # bytes splitting may add, as a fraction of the unsplit launch's bytes ...

@@ -11,7 +11,7 @@ behind an out-of-range id nor a NaN in slot 0 can reach the result. A row with n
 ``out = 0`` and ``lse = -inf``.
 
 Runs on any device torch runs on. Inputs are not validated here: the public entry
-:func:`mla_sm120_plugin.kernels.sparse_mla_forward` validates once. The fp32 matmuls follow torch's
+:func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward` validates once. The fp32 matmuls follow torch's
 fp32 matmul precision setting (exact fp32 unless TF32 was enabled for matmuls).
 """
 
@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels.pack import dequantize
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.dsa.pack import dequantize
 
 DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -88,7 +88,7 @@ def torch_sparse_mla(
     ``bytes_per_token(H, topk, kv_layout)``; a single token over the bound is still run alone. A
     naive full gather at T=4096, topk=2048 would need ~19 GB of fp32 keys.
 
-    The contract (shapes, dtypes, masking) is :func:`mla_sm120_plugin.kernels.sparse_mla_forward`'s:
+    The contract (shapes, dtypes, masking) is :func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward`'s:
 
     q: [T, H, layout.head_dim], bfloat16 or float32 (576 for the DSA layouts, 512 rope-less)
     kv_cache: [P, page_size, layout.row] in the layout's dtype (uint8 for fp8 layouts, bfloat16

@@ -23,8 +23,8 @@ Where the facts come from (``--dump`` reads them all from the installed flashinf
 
 A new FlashInfer version is one command in an environment that has it installed::
 
-    python -m mla_sm120_plugin.kernels.flashinfer_table --write   # adds/replaces its table
-    python -m mla_sm120_plugin.kernels.flashinfer_table --dump    # prints it, writes nothing
+    python -m mla_sm120_plugin.dispatch.flashinfer_table --write   # adds/replaces its table
+    python -m mla_sm120_plugin.dispatch.flashinfer_table --dump    # prints it, writes nothing
 
 ``tests/kernels/test_flashinfer_contract.py`` fails while the installed version's table differs
 from what that version reports.
@@ -43,7 +43,7 @@ from typing import Any, Mapping
 PIP_PACKAGE = "flashinfer-python"
 DATA_FILE = Path(__file__).with_name("flashinfer_envelope.json")
 SCHEMA = 1
-REGENERATE = "python -m mla_sm120_plugin.kernels.flashinfer_table --write"
+REGENERATE = "python -m mla_sm120_plugin.dispatch.flashinfer_table --write"
 
 # Relative to the installed flashinfer package: where --dump reads the prefill head set.
 _PREFILL_PLAN_HEADER = "data/include/flashinfer/attention/sparse_mla_sm120/execution/attention_plan.h"

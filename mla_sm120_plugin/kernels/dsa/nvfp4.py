@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_sm120_plugin.kernels import layout
+from mla_sm120_plugin.kernels.dsa import layout
 
 # e2m1 code -> value: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; code 8 is -0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -1,6 +1,6 @@
 """Fast Triton sparse-MLA kernel for the fp8 caches: fp8 MMAs on the cache's own e4m3 bytes.
 
-Same contract as :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (``sparse_mla_forward``'s
+Same contract as :func:`mla_sm120_plugin.kernels.dsa.triton.triton_sparse_mla` (``sparse_mla_forward``'s
 docstring describes every argument); only the numerics differ, by design. It reads every fp8 layout
 of :mod:`.layout`: ``fp8_ds_mla`` (656-byte rows with a 64-wide bf16 rope) and the rope-less rows of
 GLM-5.3-Flash, ``fp8_ds_mla_nope`` (656 bytes, [528, 656) reserved, never loaded) and ``fp8_nope``
@@ -50,7 +50,7 @@ enough registers to spill), and ``topk_length`` acts only through the slot-id lo
 
 Occupancy. 8 warps of 128 registers and 48.6 KB of shared memory (42.5 KB rope-less): two CTAs
 per SM on sm_120a and sm_121a (65,536 registers, 100 KB of shared memory an SM). ptxas picks 128 registers itself (an
-explicit ``maxnreg=128`` made it spill); :mod:`~mla_sm120_plugin.kernels.compile_gate` fails any
+explicit ``maxnreg=128`` made it spill); :mod:`~mla_sm120_plugin.tools.compile_gate` fails any
 variant that gets fewer than two CTAs an SM, spills, or runs its latent dots without QMMA.
 """
 
@@ -62,10 +62,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels import layout
-from mla_sm120_plugin.kernels import triton as exact
-from mla_sm120_plugin.kernels import triton_plan as plan
-from mla_sm120_plugin.kernels.triton import _dot, _finalize, _row_offset, _slot_ids
+from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.dsa import triton as exact
+from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa.triton import _dot, _finalize, _row_offset, _slot_ids
 
 # Kernel vs the torch reference: the largest error, as a fraction of the largest |reference| value
 # (how tests/helpers.assert_kernel_close and the self-check read it). q and p are rounded to e4m3,
@@ -182,7 +182,7 @@ def _fast_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (token, head block, split) program over a uint8 fp8 cache (offsets in bytes; pages found
-    by :func:`~mla_sm120_plugin.kernels.triton.page_divisor`'s multiply-shift). ``ROPE`` (64, or 0
+    by :func:`~mla_sm120_plugin.kernels.dsa.triton.page_divisor`'s multiply-shift). ``ROPE`` (64, or 0
     for a rope-less layout) and ``ROPE_OFF`` (the rope's byte offset) come from the layout.
 
     FINAL: write the output (one split) or normalized partials and their base-2 LSE.
@@ -297,7 +297,7 @@ def triton_sparse_mla_fast(
     """Sparse MLA with fp8 MMAs on an fp8 cache's bytes (module docstring: numerics and layouts).
 
     Arguments, shapes, dtypes and return values: exactly those of
-    :func:`mla_sm120_plugin.kernels.triton.triton_sparse_mla` (a bf16 cache is handed to it).
+    :func:`mla_sm120_plugin.kernels.dsa.triton.triton_sparse_mla` (a bf16 cache is handed to it).
     Matches the torch reference within :data:`TOLERANCE` of the output's magnitude.
     """
     return _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,

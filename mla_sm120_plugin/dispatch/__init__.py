@@ -1,0 +1,15 @@
+"""What makes the kernels a plugin: the layer between the pure kernels and the decision layer.
+
+- :mod:`.catalog`: the built-in kernels' specs, registered through the ``mla_sm120_kernels`` hook
+  like any third-party plugin's (envelopes, probes, tolerances, precision classes);
+- :mod:`.binding`: a registered kernel name turned into a callable, the one path for the public
+  entry and the engines;
+- :mod:`.forward`: the public ``sparse_mla_forward(kernel="auto")``, which validates every input once;
+- :mod:`.flashinfer` and :mod:`.flashinfer_table`: FlashInfer's native SM120/SM121 kernel bound to
+  the plugin's contract, and its envelope packaged per FlashInfer version
+  (``flashinfer_envelope.json``);
+- :mod:`.selfcheck`: each bound kernel proven against the reference at engine init.
+
+Imports point down only: these modules import :mod:`mla_sm120_plugin.kernels`, never the reverse.
+Importing this package imports nothing heavy.
+"""

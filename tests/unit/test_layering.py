@@ -1,0 +1,124 @@
+"""The package's layers point one way: the pure kernels know nothing of the plugin around them.
+
+``mla_sm120_plugin/kernels/`` holds kernels and the bytes they read. A module there may import
+other kernel modules and :mod:`mla_sm120_plugin.errors` (a leaf: exception types and the message
+shape), nothing else of the package: not the decision layer (hooks, selection, config, context,
+engines, modelinfo, device, types, cli, integration) and not the layer above it that registers,
+binds, proves and benchmarks kernels (dispatch, tools). Nor does it hold a hook implementation.
+Read from the source (``ast``), so an import inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mla_sm120_plugin"
+KERNELS = PACKAGE / "kernels"
+# What a kernel module may import from the package besides the kernels themselves.
+KERNEL_MAY_IMPORT = ("mla_sm120_plugin.kernels", "mla_sm120_plugin.errors")
+KERNEL_MODULES = sorted(KERNELS.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(path: Path) -> set[str]:
+    """Every ``mla_sm120_plugin`` module ``path`` imports (relative imports resolved; for
+    ``from X import name``, ``X.name`` when that is a module of the package, else ``X``)."""
+    own = _module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                child = f"{module}.{alias.name}"
+                candidate = PACKAGE.parent / Path(*child.split("."))
+                is_module = candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists()
+                found.add(child if is_module else module)
+    return {m for m in found if m == "mla_sm120_plugin" or m.startswith("mla_sm120_plugin.")}
+
+
+def _allowed(module: str) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in KERNEL_MAY_IMPORT)
+
+
+def test_the_kernels_package_has_modules_to_check():
+    names = {_module_name(p) for p in KERNEL_MODULES}
+    assert {"mla_sm120_plugin.kernels.dsa.layout", "mla_sm120_plugin.kernels.dsa.triton"} <= names, names
+
+
+@pytest.mark.parametrize("path", KERNEL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_kernel_module_imports_nothing_above_the_kernels(path):
+    upward = sorted(m for m in package_imports(path) if not _allowed(m))
+    assert not upward, f"{path.relative_to(PACKAGE)} imports {upward}: kernels/ may import only {KERNEL_MAY_IMPORT}"
+
+
+@pytest.mark.parametrize("path", KERNEL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_kernel_module_holds_no_hook_implementation(path):
+    tree = ast.parse(path.read_text(), str(path))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    hooks = sorted(f.name for f in ast.walk(tree)
+                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("mla_sm120_"))
+    assert "hookimpl" not in names and not hooks, f"{path.relative_to(PACKAGE)}: hookimpl or hook functions {hooks}"
+
+
+# The package's layers, bottom first; a module may import its own layer and the ones below it.
+LAYERS = (
+    ("kernels", "errors"),                        # pure kernels and the bytes they read
+    ("files", "types", "engines", "device", "config", "modelinfo", "hooks", "selection", "context"),  # decisions
+    ("dispatch",),                                # catalog, binding, public entry, FlashInfer, self-check
+    ("tools",),                                   # compile gate, bench
+    ("integration", "cli", "__init__"),           # the engines' and the user's doors
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert tops == set(RANK), sorted(tops ^ set(RANK))
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down_the_layers(path):
+    own = _layer(_module_name(path)) if path != PACKAGE / "__init__.py" else "__init__"
+    upward = sorted(m for m in package_imports(path) if RANK[_layer(m)] > RANK[own])
+    assert not upward, f"{path.relative_to(PACKAGE)} (layer {RANK[own]}) imports {upward} from a layer above"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The reader above resolves relative and in-function imports (else the tests above could not fail)."""
+    fake = tmp_path / "mla_sm120_plugin"
+    (fake / "kernels" / "dsa").mkdir(parents=True)
+    for rel in ("__init__.py", "selection.py", "errors.py", "kernels/__init__.py", "kernels/dsa/__init__.py",
+                "dispatch/__init__.py", "dispatch/binding.py"):
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text("")
+    module = fake / "kernels" / "dsa" / "k.py"
+    module.write_text("from ...errors import KernelInputError\nfrom . import layout\n"
+                      "def f():\n    from ...selection import select\n    from ...dispatch import binding\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    found = package_imports(module)
+    assert found == {"mla_sm120_plugin.errors", "mla_sm120_plugin.kernels.dsa",
+                     "mla_sm120_plugin.selection", "mla_sm120_plugin.dispatch.binding"}, found
+    assert sorted(m for m in found if not _allowed(m)) == ["mla_sm120_plugin.dispatch.binding",
+                                                            "mla_sm120_plugin.selection"]
