@@ -14,13 +14,20 @@ What a hostile or mistaken path cannot do here:
 - exhaust the stack: a parse that recurses too deep is refused, as is a parsed value nested deeper
   than :data:`MAX_NESTING`, before any caller walks it or puts its ``repr`` in a message;
 - smuggle non-numbers in: JSON's ``NaN``/``Infinity``, floats that overflow to ``inf`` and integers
-  longer than :data:`MAX_INT_DIGITS` are refused while parsing.
+  longer than :data:`MAX_INT_DIGITS` are refused, the first one named;
+- take long: a config.json at the cap is read in about a second whatever its shape (the checks run
+  on the text at C speed, not a Python step per value; ``benchmarks/bench_config_read.py``);
+- be read differently than the engine reads it: a config.json is UTF-8 without a byte-order mark,
+  as transformers (hence vLLM) reads it; anything else is refused here, before the engine would.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
 import math
+import operator
 import os
 import re
 import stat
@@ -204,13 +211,61 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def parse_json(data: bytes, *, label: str) -> Any:
-    """Parse a HF ``config.json``'s bytes (UTF-8/16/32, as :func:`json.loads` detects).
+_UTF8_BOM = b"\xef\xbb\xbf"
+# Text-level checks of a document the C parser accepted (its strings removed, then at most a few
+# passes of C string operations over what is left: a Python step per value would cost seconds over
+# the millions of values a 16 MiB file can hold).
+_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_BRACKET_RUNS = re.compile(rb"\[+|\]+")
+# A number token's characters -> "x", the rest -> " ": a run of MAX_INT_DIGITS + 1 "x" is a token
+# the per-number checks must read (an integer over the bound; a float needs 309 digits to overflow).
+_NUMBER_CHARS = bytes.maketrans(b"0123456789+-.eE", b"x" * 15)
+_EXPONENT_CHARS = bytes.maketrans(b"0123456789eE+-", b"9" * 10 + b"EEss")
 
-    :raises ConfigError: not JSON, a non-finite or oversized number, nested too deep.
+
+def _outside_strings(text: str) -> bytes:
+    """``text`` (a valid JSON document) without its strings' contents: what is left is ASCII."""
+    if "\\" in text:  # escaped quotes: drop escape pairs first (\\ before \", so \\" keeps its quote)
+        text = text.replace("\\\\", "").replace('\\"', "")
+    return "".join(text.split('"')[::2]).encode("ascii")
+
+
+def _nesting(skeleton: bytes) -> int:
+    """How deep the brackets of ``skeleton`` (a valid document without its strings) nest.
+
+    Innermost ``[]`` pairs are removed while that shrinks the text a lot (bushy documents are gone
+    in a few passes); what is left (narrow and deep) is read as runs of opening and closing brackets.
     """
+    brackets = skeleton.translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    depth = 0
+    while brackets:
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) > len(brackets) * 3 // 4:
+            break
+        brackets, depth = shorter, depth + 1
+    if not brackets:
+        return depth
+    runs = _BRACKET_RUNS.findall(brackets)  # alternate: [+ ]+ [+ ... (valid JSON starts with [)
+    opened = itertools.accumulate(map(len, runs[::2]))
+    closed = itertools.chain((0,), itertools.accumulate(map(len, runs[1::2])))
+    return depth + max(map(operator.sub, opened, closed))
+
+
+def _may_hold_a_refused_number(skeleton: bytes) -> bool:
+    """Whether a number token of ``skeleton`` could be one the per-number checks refuse: longer than
+    :data:`MAX_INT_DIGITS` characters, or with an exponent of three digits or more (1e309)."""
+    if b"x" * (MAX_INT_DIGITS + 1) in skeleton.translate(_NUMBER_CHARS):
+        return True
+    exponents = skeleton.translate(_EXPONENT_CHARS)
+    return b"E999" in exponents or b"Es999" in exponents
+
+
+def _parse_json_with_hooks(text: str, *, label: str) -> Any:
+    """The document parsed with a check on every number as the parser meets it: slow (a Python call
+    a number), so only run where the fast parse found a refused number, to name the first one."""
     try:
-        value = json.loads(data, parse_constant=_parse_constant, parse_float=_parse_float, parse_int=_parse_int)
+        return json.loads(text, parse_constant=_parse_constant, parse_float=_parse_float, parse_int=_parse_int)
     except _BadNumber as exc:
         raise ConfigError(format_error(
             f"{label}: {exc}", f"{JSON_FILE}: finite numbers, integers of at most {MAX_INT_DIGITS} digits",
@@ -218,12 +273,58 @@ def parse_json(data: bytes, *, label: str) -> Any:
         )) from None
     except RecursionError:
         raise _too_deep(label, JSON_FILE) from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+    except ValueError as exc:  # JSONDecodeError
         raise ConfigError(format_error(
             f"{label}: invalid JSON: {exc}", JSON_FILE,
             "fix the syntax at the position given, or point at the model's config.json",
         )) from None
-    return check_nesting(value, label=label, what=JSON_FILE)
+
+
+def parse_json(data: bytes, *, label: str) -> Any:
+    """Parse a HF ``config.json``'s bytes: UTF-8 without a byte-order mark, as transformers reads it
+    (``open(path, encoding="utf-8")``, then :func:`json.loads`, which refuses a BOM), hence vLLM.
+
+    About a second at :data:`MAX_JSON_BYTES` whatever the shape (many keys, numbers, small or deep
+    containers; ``benchmarks/bench_config_read.py``): the C parser runs without per-number
+    callbacks and without the cyclic garbage collector, then nesting and numbers are checked on the
+    text outside the strings with C string operations. Only a document with a number token that
+    could be refused (over :data:`MAX_INT_DIGITS` characters, or a 3-digit exponent) is parsed
+    again with a check on each number, which names the first one refused.
+
+    :raises ConfigError: a BOM, not UTF-8, not JSON, a non-finite or oversized number, nested too deep.
+    """
+    if data.startswith(_UTF8_BOM):
+        raise ConfigError(format_error(
+            f"{label}: starts with a UTF-8 byte-order mark (bytes EF BB BF)",
+            f"{JSON_FILE} in UTF-8 without a byte-order mark (transformers' reader, hence vLLM's, "
+            "refuses the mark)",
+            "re-save the file as UTF-8 without the mark (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' config.json)",
+        ))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(format_error(f"{label}: not UTF-8: {exc}", f"{JSON_FILE} in UTF-8 (as transformers reads it)",
+                                       "re-save the file as UTF-8")) from None
+    # Millions of small containers set off the cyclic collector over and over (3x the parse); a
+    # parsed document holds no cycles, so it has nothing to find meanwhile.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            value = json.loads(text, parse_constant=_parse_constant)
+        except RecursionError:
+            raise _too_deep(label, JSON_FILE) from None
+        except ValueError:  # JSONDecodeError, a non-JSON constant, an integer over Python's int-str limit
+            value = _parse_json_with_hooks(text, label=label)  # names the error as the checks see it
+        skeleton = _outside_strings(text)
+        if _may_hold_a_refused_number(skeleton):
+            value = _parse_json_with_hooks(text, label=label)
+        if _nesting(skeleton) > MAX_NESTING:
+            raise _too_deep(label, JSON_FILE)
+        return value
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def parse_toml(data: bytes, *, label: str) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 from helpers import assert_three_parts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mla_sm120_plugin import cli, files
 from mla_sm120_plugin.config import CONFIG_ENV, load_config
@@ -447,6 +449,108 @@ def test_toml_integers_up_to_pythons_limit_parse_and_beyond_are_a_config_error()
         files.parse_toml(("a = " + "9" * (limit + 1)).encode(), label="c")
     assert_three_parts(str(err.value), "c: a value too large to read")
     assert "whose integers fit in 64 bits" in str(err.value)
+
+
+# --- the file reader: what transformers reads, checked on the text (files.parse_json) ----------------
+
+
+def test_a_config_json_with_a_byte_order_mark_is_refused_as_transformers_refuses_it(tmp_path, capsys):
+    """files.parse_json: "UTF-8 without a byte-order mark, as transformers reads it": transformers'
+    reader (open(..., encoding="utf-8") then json.loads) raises on the mark, so vLLM would too."""
+    body = '{"architectures": ["%s"]}' % GLM_ARCH
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    with pytest.raises(ValueError, match="BOM"):  # the engines' own reader, on the same file
+        transformers.PretrainedConfig._dict_from_json_file(tmp_path / "config.json")
+    with pytest.raises(ConfigError) as err:
+        files.parse_json(b"\xef\xbb\xbf" + body.encode(), label="m")
+    assert str(err.value).splitlines() == [
+        "given: m: starts with a UTF-8 byte-order mark (bytes EF BB BF)",
+        "supported: a HF config.json in UTF-8 without a byte-order mark (transformers' reader, hence vLLM's, "
+        "refuses the mark)",
+        r"fix: re-save the file as UTF-8 without the mark (e.g. sed -i '1s/^\xEF\xBB\xBF//' config.json)"]
+    assert cli.main(["check", "--model", str(tmp_path), "--sm", "12.0"]) == 2
+    assert "byte-order mark" in capsys.readouterr().err
+    assert files.parse_json(body.encode(), label="m") == {"architectures": [GLM_ARCH]}
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "latin-1"])
+def test_a_config_json_not_in_utf8_is_refused(encoding):
+    """files.parse_json: UTF-8 only (json.loads on bytes would take UTF-16/32; transformers does not)."""
+    with pytest.raises(ConfigError) as err:
+        files.parse_json('{"architectures": ["Gl\u00e9"]}'.encode(encoding), label="m")
+    assert str(err.value).splitlines()[1:] == ["supported: a HF config.json in UTF-8 (as transformers reads it)",
+                                               "fix: re-save the file as UTF-8"]
+    assert str(err.value).startswith("given: m: not UTF-8: ")
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\\u00e9\n0e9-', max_size=6)
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats(allow_nan=False, allow_infinity=False)
+    | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON_VALUES, wrap=st.integers(0, 70))
+def test_the_text_level_checks_agree_with_the_parsed_value(value, wrap):
+    """files.parse_json checks nesting and numbers on the text outside strings (brackets, quotes and
+    backslashes inside strings must not count): a document is read back equal, and refused as too
+    deep exactly when its parsed value nests deeper than 64."""
+    for _ in range(wrap):
+        value = [value] if wrap % 2 else {"k": value}
+    text = json.dumps(value, ensure_ascii=bool(wrap % 3))
+    skeleton = files._outside_strings(text)
+    assert files._nesting(skeleton) == _depth(value)
+    if _depth(value) > NESTING:
+        with pytest.raises(ConfigError, match=f"nested more than {NESTING} levels deep"):
+            files.parse_json(text.encode(), label="m")
+    else:
+        assert files.parse_json(text.encode(), label="m") == value
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"a": [1, 2e308, 3]}', "the number '2e308', outside the float range"),
+    ('{"a": "1e999 is a string", "b": 1E+0309}', "the number '1E+0309', outside the float range"),
+    ('{"a": [1e-400, -%s]}' % ("9" * 101), "an integer with 101 digits"),
+    ('{"a": %s.5}' % ("1" * 400), "the number '%s..., outside the float range" % ("1" * 56)),
+    ('{"a": [1e-999, 0.%s]}' % ("1" * 300), None),
+    ('{"a": "%s"}' % ("9" * 500), None),
+])
+def test_a_refused_number_is_named_however_the_text_hides_it(text, needle):
+    """files.parse_json names the first refused number in document order; numbers only a string
+    holds, a tiny exponent and a long fraction are read."""
+    if needle is None:
+        assert files.parse_json(text.encode(), label="m") == json.loads(text)
+        return
+    with pytest.raises(ConfigError) as err:
+        files.parse_json(text.encode(), label="m")
+    assert str(err.value).startswith(f"given: m: {needle}"), str(err.value)
+
+
+def test_the_config_read_benchmark_reports_every_shape(capsys):
+    """benchmarks/bench_config_read.py at a small size: every shape is read, the refused one names
+    its number, and check exits as parse_json decides (0 read, 2 refused)."""
+    import bench_config_read
+
+    assert bench_config_read.main(["--mib", "0.02", "--repeat", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["shape"] for r in rows] == list(bench_config_read.SHAPES)
+    for r in rows:
+        refused = r["shape"].endswith("101-digit int")
+        assert r["verdict"] == ("given: config.json: an integer with 101 digits" if refused else "ok"), r
+        assert r["check"] == ("exit 2" if refused else "exit 0"), r
+        assert 0 < r["bytes"] <= 0.02 * (1 << 20) and r["parse_seconds"] >= 0 and r["check_seconds"] > 0
 
 
 # --- the kernels' topk_length contract --------------------------------------------------------------
