@@ -1,0 +1,63 @@
+"""The test command: ``nox`` runs every engine's suite, each in its own environment.
+
+vLLM 0.33 and SGLang 0.5.23 pin different torch and FlashInfer builds, so each engine gets a session
+with its own environment, built once (by uv, from the project's own extras) and reused by later runs:
+
+    nox                  # both suites: vllm, then sglang
+    nox -s vllm          # one suite alone; arguments after -- go to pytest:
+    nox -s sglang -- tests/sglang_engine/test_forward.py -x
+
+Each session runs pytest on all cores (pytest-xdist), derandomized Hypothesis (the same examples on
+every run). ``MLA_NOX_DROP_ENVS=1`` deletes each session's environment after its tests (10-11 GB
+each; CI sets it, so only one is on disk at a time).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["vllm", "sglang"]
+
+PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadgroup", "--durations=15"]
+# Every suite that needs no engine runs in both environments: each engine brings its own torch,
+# Triton and transformers, and the core must behave the same beside either.
+SESSIONS = {
+    "vllm": dict(extras="vllm,triton,flashinfer,test,plot", paths=[]),
+    "sglang": dict(extras="sglang,test", paths=["tests/sglang_engine", "tests/unit"]),
+}
+
+
+def _free_gib() -> str:
+    return f"{shutil.disk_usage('.').free / 2**30:.1f} GiB free"
+
+
+def _run_suite(session: nox.Session, extras: str, paths: list[str]) -> None:
+    start = time.monotonic()
+    session.install("-e", f".[{extras}]")
+    session.log(f"{session.name}: environment ready in {time.monotonic() - start:.0f} s, {_free_gib()}")
+    tests = time.monotonic()
+    try:
+        session.run("python", "-m", "pytest", *PYTEST, *(session.posargs or paths))
+    finally:
+        session.log(f"{session.name}: tests ran {time.monotonic() - tests:.0f} s")
+        if os.environ.get("MLA_NOX_DROP_ENVS") == "1":
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+            session.log(f"{session.name}: environment removed (MLA_NOX_DROP_ENVS=1), {_free_gib()}")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM 0.33 with FlashInfer and Triton: every suite (the SGLang one skips here)."""
+    _run_suite(session, **SESSIONS["vllm"])
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """SGLang 0.5.23: its engine suite and the engine-free unit suite."""
+    _run_suite(session, **SESSIONS["sglang"])
