@@ -77,3 +77,18 @@ def noscale_plugin_path(tmp_path_factory) -> Path:
     """A third-party kernel that ignores the fp8 scales, pip-installed into its own target dir."""
     return _pip_install_target(tmp_path_factory, "noscale_plugin")
 
+
+@pytest.fixture
+def make_case():
+    """:func:`kernel_cases.build_case`: a random cache in any layout with its candidates and q."""
+    from kernel_cases import build_case
+
+    return build_case
+
+
+@pytest.fixture
+def make_paged_cache():
+    """:func:`kernel_cases.paged_cache`: a zeroed cache, optionally page-strided."""
+    from kernel_cases import paged_cache
+
+    return paged_cache

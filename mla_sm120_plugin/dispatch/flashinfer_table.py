@@ -26,7 +26,7 @@ A new FlashInfer version is one command in an environment that has it installed:
     python -m mla_sm120_plugin.dispatch.flashinfer_table --write   # adds/replaces its table
     python -m mla_sm120_plugin.dispatch.flashinfer_table --dump    # prints it, writes nothing
 
-``tests/kernels/test_flashinfer_contract.py`` fails while the installed version's table differs
+``tests/dispatch/test_flashinfer_contract.py`` fails while the installed version's table differs
 from what that version reports.
 """
 

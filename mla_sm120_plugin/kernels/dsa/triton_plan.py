@@ -91,7 +91,7 @@ class KernelShape:
     name: the kernel's registered name
     block_h, block_k, num_warps, num_stages, maxnreg, partial_dtype: as in :class:`LaunchConfig`
     ctas_per_sm: CTAs per SM on the family's target, by {family: count}; the compile gate checks
-        that the compiled code gives at least this many (tests/kernels/test_compile_gate.py)
+        that the compiled code gives at least this many (tests/tools/test_compile_gate.py)
     """
 
     name: str

@@ -1,7 +1,7 @@
 """The packaged FlashInfer envelope table and how the selection uses it; flashinfer not needed.
 
 That the packaged table equals what the installed flashinfer reports is
-tests/kernels/test_flashinfer_contract.py (skipped without flashinfer).
+tests/dispatch/test_flashinfer_contract.py (skipped without flashinfer).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Kernel-test helpers: random caches in any layout of ``layout.LAYOUTS``, on the test device (helpers.DEVICE: CUDA
+"""Kernel-test cases (imported by the kernel, dispatch and engine suites, and by tests/kernels/guarded_call.py):
+random caches in any layout of ``layout.LAYOUTS``, on the test device (helpers.DEVICE: CUDA
 when present, else the CPU, where tests/conftest.py has set TRITON_INTERPRET)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from helpers import DEVICE
@@ -81,13 +81,3 @@ def _moved_view(view: torch.Tensor, device: str) -> torch.Tensor:
     """``view`` on ``device`` with its strides (``.to`` would compact a page-strided view)."""
     storage = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage()).to(device)
     return storage.as_strided(view.shape, view.stride(), view.storage_offset())
-
-
-@pytest.fixture
-def make_case():
-    return build_case
-
-
-@pytest.fixture
-def make_paged_cache():
-    return paged_cache

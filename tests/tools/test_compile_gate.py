@@ -12,6 +12,7 @@ memory, the MMA instructions and occupancy. Numbers come from the tools Triton b
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -33,14 +34,15 @@ MISSING_PTXAS = {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas", "TRITON_PT
 # The arch whose gate is made by the CLI (`mla-sm120 bench --compile-only --arch 121 --json`, a fresh
 # process, as a user runs it); the others by compile_gate.report in this process (which compiles in a
 # child without TRITON_INTERPRET). Each arch is compiled once a run: the whole module runs on one
-# xdist worker (--dist loadgroup), so the module-scoped gates are not rebuilt on another.
+# xdist worker (--dist loadgroup), which memoizes each arch's report.
 CLI_ARCH = 121
 pytestmark = pytest.mark.xdist_group("compile-gate")
 
 
-@pytest.fixture(scope="module", params=sorted(compile_gate.ARCHES))
-def gate(request):
-    arch = request.param
+@functools.cache
+def _gate_report(arch: int) -> dict:
+    """One compile of ``arch`` a worker process: memoized here, not by a module-scoped fixture, which
+    pytest tears down and rebuilds whenever xdist interleaves tests of different arches."""
     if arch == CLI_ARCH:
         done = run_cli("bench", "--compile-only", "--arch", str(arch), "--json", env=MISSING_PTXAS)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -49,6 +51,11 @@ def gate(request):
         for key, value in MISSING_PTXAS.items():
             mp.setenv(key, value)
         return compile_gate.report(arch)
+
+
+@pytest.fixture(params=sorted(compile_gate.ARCHES))
+def gate(request):
+    return _gate_report(request.param)
 
 
 def test_every_variant_compiles_without_spills_within_shared_memory(gate):
