@@ -24,7 +24,10 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["vllm", "sglang"]
 
-PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadgroup", "--durations=15"]
+# --dist loadfile: a file's tests run on one worker, so a file's memoized fixtures (the compile
+# gate's three compiles) are made once. (--dist loadgroup does not group under pytest 9.2, whose
+# nodes no longer read the _nodeid that pytest-xdist 3.8 rewrites.)
+PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadfile", "--durations=15"]
 # Every suite that needs no engine runs in both environments: each engine brings its own torch,
 # Triton and transformers, and the core must behave the same beside either.
 SESSIONS = {

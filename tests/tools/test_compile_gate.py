@@ -33,10 +33,9 @@ from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 MISSING_PTXAS = {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas", "TRITON_PTXAS_PATH": "/nonexistent/ptxas"}
 # The arch whose gate is made by the CLI (`mla-sm120 bench --compile-only --arch 121 --json`, a fresh
 # process, as a user runs it); the others by compile_gate.report in this process (which compiles in a
-# child without TRITON_INTERPRET). Each arch is compiled once a run: the whole module runs on one
-# xdist worker (--dist loadgroup), which memoizes each arch's report.
+# child without TRITON_INTERPRET). Each arch is compiled once a run: the file's tests run on one
+# xdist worker (nox runs pytest with --dist loadfile), which memoizes each arch's report.
 CLI_ARCH = 121
-pytestmark = pytest.mark.xdist_group("compile-gate")
 
 
 @functools.cache
