@@ -538,6 +538,44 @@ def test_a_refused_number_is_named_however_the_text_hides_it(text, needle):
     assert str(err.value).startswith(f"given: m: {needle}"), str(err.value)
 
 
+def test_a_json_document_nested_65_deep_is_refused_word_for_word():
+    """files.parse_json: depth 65 parses (below the parser's own recursion limit) and is refused by
+    the text-level check, in the same three parts as a parser that recursed out of its stack."""
+    lines = ["given: m: nested more than 64 levels deep", "supported: a HF config.json nested at most 64 levels",
+             "fix: point at the right file"]
+    for text in (b"[" * 65 + b"]" * 65, b'{"a": ' + b"[" * 64 + b"1" + b"]" * 64 + b"}"):
+        with pytest.raises(ConfigError) as err:
+            files.parse_json(text, label="m")
+        assert str(err.value).splitlines() == lines
+    # The per-number parse (run when a number may be refused) says the same when it recurses too deep.
+    with pytest.raises(ConfigError) as err:
+        files._parse_json_with_hooks("[" * 5000 + "1e999" + "]" * 5000, label="m")
+    assert str(err.value).splitlines() == lines
+
+
+@pytest.mark.parametrize("was_enabled", [True, False])
+def test_the_garbage_collector_is_left_as_it_was(was_enabled):
+    """files.parse_json pauses the cyclic collector while it parses, and leaves it as it found it,
+    after a read and after a refusal."""
+    import gc
+
+    (gc.enable if was_enabled else gc.disable)()
+    try:
+        files.parse_json(b'{"a": [1, 2]}', label="m")
+        assert gc.isenabled() is was_enabled
+        with pytest.raises(ConfigError):
+            files.parse_json(b'{"a": 1e999}', label="m")
+        assert gc.isenabled() is was_enabled
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("scalar", [7, None, 1.5, True, "x"])
+def test_a_scalar_checked_for_nesting_is_returned_as_it_is(scalar):
+    """files.check_nesting (the TOML reader's walk): a scalar top level nests nothing."""
+    assert files.check_nesting(scalar, label="c", what=files.TOML_FILE) is scalar
+
+
 def test_the_config_read_benchmark_reports_every_shape(capsys):
     """benchmarks/bench_config_read.py at a small size: every shape is read, the refused one names
     its number, and check exits as parse_json decides (0 read, 2 refused)."""
