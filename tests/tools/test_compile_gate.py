@@ -16,6 +16,7 @@ import functools
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,24 @@ from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 
 # FlashInfer's import points Triton at a system ptxas (TRITON_PTXAS_BLACKWELL_PATH) when one of CUDA
 # >= 13 is on PATH, and vLLM imports FlashInfer: the gate's verdict must not depend on that. Every
-# gate below is compiled with both overrides pointing at a ptxas that does not exist, which would
-# fail every compile if the gate used it.
-MISSING_PTXAS = {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas", "TRITON_PTXAS_PATH": "/nonexistent/ptxas"}
+# gate below is compiled with both overrides pointing at a ptxas that answers `--version` like CUDA
+# 13.0's and fails every compile. (A path that does not exist proves nothing: Triton falls back to
+# its bundled ptxas for a tool it cannot run.)
+_FAILING_PTXAS = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.48"; exit 0; fi
+echo "failing ptxas: the compile gate must not use me" >&2
+exit 1
+"""
+
+
+@functools.cache
+def failing_ptxas_env() -> dict[str, str]:
+    path = Path(tempfile.mkdtemp(prefix="mla-sm120-failing-ptxas-")) / "ptxas"
+    path.write_text(_FAILING_PTXAS)
+    path.chmod(0o755)
+    return {"TRITON_PTXAS_BLACKWELL_PATH": str(path), "TRITON_PTXAS_PATH": str(path)}
+
+
 # The arch whose gate is made by the CLI (`mla-sm120 bench --compile-only --arch 121 --json`, a fresh
 # process, as a user runs it); the others by compile_gate.report in this process (which compiles in a
 # child without TRITON_INTERPRET). Each arch is compiled once a run: the file's tests run on one
@@ -43,11 +59,11 @@ def _gate_report(arch: int) -> dict:
     """One compile of ``arch`` a worker process: memoized here, not by a module-scoped fixture, which
     pytest tears down and rebuilds whenever xdist interleaves tests of different arches."""
     if arch == CLI_ARCH:
-        done = run_cli("bench", "--compile-only", "--arch", str(arch), "--json", env=MISSING_PTXAS)
+        done = run_cli("bench", "--compile-only", "--arch", str(arch), "--json", env=failing_ptxas_env())
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in MISSING_PTXAS.items():
+        for key, value in failing_ptxas_env().items():
             mp.setenv(key, value)
         return compile_gate.report(arch)
 
@@ -203,7 +219,8 @@ def test_cli_unknown_arch_is_refused():
 
 
 def test_the_gate_reads_tritons_own_ptxas_whatever_the_caller_imported(gate):
-    """Every gate was compiled with both ptxas overrides pointing at nothing (MISSING_PTXAS): the
-    in-process report and the CLI alike stripped them, so every variant compiled."""
+    """Every gate was compiled with both ptxas overrides pointing at a ptxas that fails every compile
+    (:func:`failing_ptxas_env`): the in-process report and the CLI alike stripped them, so every
+    variant compiled."""
     rows = gate["variants"]
     assert rows and all(v["compiled"] for v in rows), [v.get("error") for v in rows if not v["compiled"]][:1]
