@@ -225,10 +225,11 @@ _EXPONENT_CHARS = bytes.maketrans(b"0123456789eE+-", b"9" * 10 + b"EEss")
 
 
 def _outside_strings(text: str) -> bytes:
-    """``text`` (a valid JSON document) without its strings' contents: what is left is ASCII."""
+    """``text`` without its strings' contents; for a valid JSON document what is left is ASCII (for
+    any other text, whatever it is: the parser then refuses the text with its position)."""
     if "\\" in text:  # escaped quotes: drop escape pairs first (\\ before \", so \\" keeps its quote)
         text = text.replace("\\\\", "").replace('\\"', "")
-    return "".join(text.split('"')[::2]).encode("ascii")
+    return "".join(text.split('"')[::2]).encode("ascii", "replace")
 
 
 def _nesting(skeleton: bytes) -> int:
@@ -261,23 +262,28 @@ def _may_hold_a_refused_number(skeleton: bytes) -> bool:
     return b"E999" in exponents or b"Es999" in exponents
 
 
-def _parse_json_with_hooks(text: str, *, label: str) -> Any:
-    """The document parsed with a check on every number as the parser meets it: slow (a Python call
-    a number), so only run where the fast parse found a refused number, to name the first one."""
-    try:
-        return json.loads(text, parse_constant=_parse_constant, parse_float=_parse_float, parse_int=_parse_int)
-    except _BadNumber as exc:
-        raise ConfigError(format_error(
+def _json_refusal(exc: BaseException, label: str) -> ConfigError:
+    """The refusal for what the parser raised: a refused number, a recursion too deep, or a syntax error."""
+    if isinstance(exc, _BadNumber):
+        return ConfigError(format_error(
             f"{label}: {exc}", f"{JSON_FILE}: finite numbers, integers of at most {MAX_INT_DIGITS} digits",
             "write the value as a plain finite number, or point at the model's own config.json",
-        )) from None
-    except RecursionError:
-        raise _too_deep(label, JSON_FILE) from None
-    except ValueError as exc:  # JSONDecodeError
-        raise ConfigError(format_error(
-            f"{label}: invalid JSON: {exc}", JSON_FILE,
-            "fix the syntax at the position given, or point at the model's config.json",
-        )) from None
+        ))
+    if isinstance(exc, RecursionError):
+        return _too_deep(label, JSON_FILE)
+    return ConfigError(format_error(
+        f"{label}: invalid JSON: {exc}", JSON_FILE,
+        "fix the syntax at the position given, or point at the model's config.json",
+    ))
+
+
+def _parse_json_with_hooks(text: str, *, label: str) -> Any:
+    """The document parsed with a check on every number as the parser meets it: slow (a Python call
+    a number), so only run on a document that may hold a refused number, to name the first one."""
+    try:
+        return json.loads(text, parse_constant=_parse_constant, parse_float=_parse_float, parse_int=_parse_int)
+    except (ValueError, RecursionError) as exc:  # _BadNumber, JSONDecodeError
+        raise _json_refusal(exc, label) from None
 
 
 def parse_json(data: bytes, *, label: str) -> Any:
@@ -286,10 +292,10 @@ def parse_json(data: bytes, *, label: str) -> Any:
 
     About a second at :data:`MAX_JSON_BYTES` whatever the shape (many keys, numbers, small or deep
     containers; ``benchmarks/bench_config_read.py``): the C parser runs without per-number
-    callbacks and without the cyclic garbage collector, then nesting and numbers are checked on the
+    callbacks and without the cyclic garbage collector, and nesting and numbers are checked on the
     text outside the strings with C string operations. Only a document with a number token that
-    could be refused (over :data:`MAX_INT_DIGITS` characters, or a 3-digit exponent) is parsed
-    again with a check on each number, which names the first one refused.
+    could be refused (over :data:`MAX_INT_DIGITS` characters, or a 3-digit exponent) is parsed with
+    a check on each number instead (slower: a Python call a number), which names the first one refused.
 
     :raises ConfigError: a BOM, not UTF-8, not JSON, a non-finite or oversized number, nested too deep.
     """
@@ -310,15 +316,14 @@ def parse_json(data: bytes, *, label: str) -> Any:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        try:
-            value = json.loads(text, parse_constant=_parse_constant)
-        except RecursionError:
-            raise _too_deep(label, JSON_FILE) from None
-        except ValueError:  # JSONDecodeError, a non-JSON constant, an integer over Python's int-str limit
-            value = _parse_json_with_hooks(text, label=label)  # names the error as the checks see it
         skeleton = _outside_strings(text)
         if _may_hold_a_refused_number(skeleton):
             value = _parse_json_with_hooks(text, label=label)
+        else:
+            try:
+                value = json.loads(text, parse_constant=_parse_constant)
+            except (ValueError, RecursionError) as exc:  # a non-JSON constant, JSONDecodeError, too deep
+                raise _json_refusal(exc, label) from None
         if _nesting(skeleton) > MAX_NESTING:
             raise _too_deep(label, JSON_FILE)
         return value
