@@ -246,13 +246,25 @@ def self_check_rows() -> list[dict[str, Any]]:
                                                  scale_format=scale_format, num_heads=SELF_CHECK_HEADS,
                                                  topk=topk, device=target)
                     except MlaSm120Error as exc:  # the entry does not import
-                        row.update(ran=False, passed=False, max_error=None, tolerance=spec.tolerance,
-                                   seconds=0.0, error=f"{type(exc).__name__}: {exc}")
+                        row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None,
+                                   tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=0.0,
+                                   error=f"{type(exc).__name__}: {exc}")
                     else:
-                        row.update(ran=result.ran, passed=result.passed, max_error=result.max_error,
-                                   tolerance=result.tolerance, seconds=result.seconds, error=result.error)
+                        got = result.accuracy
+                        row.update(ran=result.ran, passed=result.passed,
+                                   cos_diff=None if got is None else got.cos_diff,
+                                   rel_rms=None if got is None else got.rel_rms, max_error=result.max_error,
+                                   tolerance=result.tolerance, bound=_bound_row(result.bound),
+                                   seconds=result.seconds, error=result.error)
                     rows.append(row)
     return rows
+
+
+def _bound_row(bound: Any) -> dict[str, float] | None:
+    """A kernel's declared accuracy bound as JSON (None when it declares only a tolerance)."""
+    if bound is None:
+        return None
+    return dict(cos_diff=bound.cos_diff, rel_rms=bound.rel_rms, max_error=bound.max_rel)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -291,13 +303,19 @@ def _doctor(args: argparse.Namespace) -> int:
         out("FAULT: " + fault.replace("\n", "\n       "))
     if checks is not None:
         out(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
-              f"on {checks[0]['device'] if checks else '-'}; max error as a fraction of the output's magnitude):")
-        out(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'max error':>10} {'tolerance':>10} {'time':>8}  result")
+              f"on {checks[0]['device'] if checks else '-'}; against float64 over the dequantized rows; "
+              "max error as a fraction of the output's largest value):")
+        out(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'cos_diff':>9} {'relRMS':>8} {'max error':>10} "
+            f"{'time':>8}  result")
+
+        def num(value: float | None, fmt: str) -> str:
+            return "-" if value is None else format(value, fmt)
+
         for c in checks:
             cache = c["kv_layout"] + (f"/{c['scale_format']}" if c["scale_format"] else "")
-            err = f"{c['max_error']:.2e}" if c["max_error"] is not None else "-"
-            out(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} {err:>10} "
-                  f"{c['tolerance']:>10.0e} {c['seconds']:>7.2f}s  {'ok' if c['passed'] else 'FAILED: ' + c['error']}")
+            out(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} "
+                f"{num(c['cos_diff'], '.2e'):>9} {num(c['rel_rms'], '.3%'):>8} {num(c['max_error'], '.2e'):>10} "
+                f"{c['seconds']:>7.2f}s  {'ok' if c['passed'] else 'FAILED: ' + c['error']}")
         if not checks:
             out("  no kernel can run on this machine")
     _emit("\n".join(lines))
@@ -322,6 +340,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.traffic:
         from .kernels.dsa import triton_plan
 
+        if args.json:
+            _emit(_json(triton_plan.json_report(args.traffic)))
+            return EXIT_OK
         _emit("\n\n".join([triton_plan.format_report(args.traffic),
                             *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS)]))
         return EXIT_OK
@@ -334,15 +355,21 @@ def _bench(args: argparse.Namespace) -> int:
             lines = [f"sm_{result['arch']}a, Triton {result['triton']}: {len(result['variants'])} variants, "
                      f"max spill {result['max_spill_bytes']} B, max shared {result['max_shared_bytes']} B "
                      f"(limit {result['shared_limit_bytes']} B)"]
-            for v in result["variants"]:
+            def describe(v: dict) -> str:
+                mma = ", ".join(f"{kind} x{count}" for kind, count in v["mma"].items())
                 state = (f"{v['registers']:>3} regs  spill {v['spill_bytes']:>4} B  shared {v['shared_bytes']:>6} B"
-                         f"  {v['ctas_per_sm']} CTA/SM  {','.join(v['mma'])}"
-                         if v["compiled"] else f"FAILED: {v['error']}")
-                lines.append(f"  {v['variant']:<90} {state}")
+                         f"  {v['ctas_per_sm']} CTA/SM  {mma}" if v["compiled"] else f"FAILED: {v['error']}")
+                return f"  {v['variant']:<90} {state}"
+
+            lines.extend(describe(v) for v in result["variants"])
+            other = result.get("system_ptxas")
+            if other is not None:
+                lines.append(f"fast variants again with ptxas {other['release']} ({other['path']}, {other['found_by']}):")
+                lines.extend(describe(v) for v in result["system_ptxas_variants"])
             lines.extend(f"GATE FAILS: {failure}" for failure in result["gate_failures"])
             _emit("\n".join(lines))
         # The gate's own verdict: compiled, no spills, shared memory within a block, and every fast
-        # variant on SM12x with fp8 MMAs and two CTAs an SM.
+        # variant on SM12x with block-scaled fp8 MMAs at the plan's CTAs per SM, under both ptxas builds.
         ok = result["gate_passed"]
     else:
         from .tools import bench
@@ -419,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compile every Triton variant for --arch without a GPU; exit 2 if any fails, spills "
                             "or exceeds the shared-memory limit")
     bench.add_argument("--arch", type=int, default=120, help="with --compile-only: 120, 121 or 90 (default 120)")
-    bench.add_argument("--json", action="store_true", help="with --compile-only: JSON instead of a table")
+    bench.add_argument("--json", action="store_true", help="JSON instead of a table (--compile-only, --traffic; "
+                       "a GPU run prints JSON either way)")
     bench.add_argument("--quick", action="store_true", help="timings: three shapes, smaller matmul ceiling")
     bench.add_argument("--device", help="timings: cuda or cuda:N (default cuda)")
     bench.add_argument("--plot", help="timings: also draw GB/s and TFLOP/s against the ceilings (matplotlib)")

@@ -83,8 +83,8 @@ def envelope_reasons(
         seen = "calls of any length (no bound given)" if max_tokens is None else f"{max_tokens} tokens a call"
         reasons.append(f"{phase} may see {seen}, kernel takes <= {spec.max_tokens}")
     if ctx.precision == EXACT and spec.precision != EXACT:
-        reasons.append(f"computes with fp8 q and probabilities (precision {spec.precision}); the config asks "
-                       f"precision={EXACT}")
+        reasons.append(f"computes with a single fp8 q and probability (precision {spec.precision}: a few % relRMS); "
+                       f"the config asks precision={EXACT} (cos_diff <= 5e-06, relRMS <= 0.30 % against float64)")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
         reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
                        f"({ENGINES[ctx.engine].eager_flag} allows it)")
@@ -231,6 +231,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
         rejections=tuple(rejections),
         notes=tuple(notes),
         alternates=alternates,
+        classes={phase: reg.kernels[name].precision for phase, name in chosen.items()},
     )
 
 
@@ -268,8 +269,8 @@ def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
         fixes.append("install what a probe above reports missing")
     if any(r.startswith("not CUDA-graph safe") for r in reasons):
         fixes.append(f"run with {engine.eager_flag}, or install a graph-safe kernel")
-    if any(r.startswith("computes with fp8 q") for r in reasons):
-        fixes.append('set precision = "fast" in the plugin config (fp8 q/p kernels, within their stated tolerance)')
+    if any(r.startswith("computes with a single fp8 q") for r in reasons):
+        fixes.append('set precision = "fast" in the plugin config (single-fp8 q/p kernels too, within their stated bounds)')
     if not fixes:
         fixes.append("change the combination to one a kernel above supports (each rejection says what it needs)")
     return "; ".join(fixes)
@@ -379,6 +380,10 @@ def _scales_word(ctx: SelectionContext, decision: Decision) -> str:
     return decision.scale_format
 
 
+def _bound_text(spec: KernelSpec) -> str:
+    return "" if spec.accuracy is None else f": {spec.accuracy.summary()} against float64"
+
+
 def explain(decision: Decision) -> str:
     """The decision as a plain-text table: chosen kernel per phase, then each rejection."""
     ctx = decision.context
@@ -388,7 +393,8 @@ def explain(decision: Decision) -> str:
         f"kv cache   {ctx.kv_cache_dtype} (scales: {_scales_word(ctx, decision)})",
         _capacity_line(ctx),
         f"precision  {ctx.precision} ("
-        + ("fp8 q/p kernels allowed" if ctx.precision != EXACT else "bf16/fp32 operands only") + ")",
+        + ("single-fp8 q/p kernels allowed" if ctx.precision != EXACT
+           else "exact-class kernels only: cos_diff <= 5e-06, relRMS <= 0.30 %") + ")",
         f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
         f"index_topk {ctx.index_topk}",
         f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "
@@ -400,7 +406,9 @@ def explain(decision: Decision) -> str:
     for r in decision.rejections:
         by_phase[r.phase].append(r)
     for phase in PHASES:
-        lines.append(f"{phase:<8} {decision.kernels[phase]:<24} SELECTED")
+        spec = get_registry().kernels.get(decision.kernels[phase])
+        grade = "" if spec is None else f" ({spec.precision} class{_bound_text(spec)})"
+        lines.append(f"{phase:<8} {decision.kernels[phase]:<24} SELECTED{grade}")
         for r in by_phase[phase]:
             lines.append(f"{'':<8} {r.kernel:<24} rejected: {'; '.join(r.reasons)}")
     lines.extend(f"note: {n}" for n in decision.notes)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
+from .kernels.accuracy import AccuracyBound
 from .kernels.dsa.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
 
 PREFILL = "prefill"
@@ -227,11 +228,18 @@ class KernelSpec:
     :param envelope_note: where ``envelope``'s facts come from when they are not the installed
         package's (a table shipped with the plugin for a package missing here); the decision
         carries it as a note, so a core-only install says which facts it used.
-    :param precision: ``"exact"`` (bf16/fp32 operands) or ``"fast"`` (fp8 q and probabilities); a
-        context asking ``precision="exact"`` rejects fast kernels.
+    :param precision: the kernel's accuracy class: ``"exact"`` (within FlashMLA's bar against
+        float64 over the dequantized rows: cos_diff <= 5e-6 and relRMS <= 0.3 %, whatever its
+        operands: bf16, fp32 or fp8 hi + lo pairs) or ``"fast"`` (a single fp8 q and probability:
+        a few % relRMS); a context asking ``precision="exact"`` rejects fast kernels.
     :param tolerance: the largest difference from the torch reference the kernel promises, as a
-        fraction of the reference output's largest magnitude; the self-check at engine init
-        (:mod:`mla_sm120_plugin.dispatch.selfcheck`) holds it to this.
+        fraction of the reference output's largest magnitude (the self-check's bound for a kernel
+        that states no ``accuracy``).
+    :param accuracy: what the kernel promises in FlashMLA's metrics
+        (:class:`~mla_sm120_plugin.kernels.accuracy.AccuracyBound`: cos_diff, relRMS and max error
+        against float64 over the dequantized rows); the self-check at engine init
+        (:mod:`mla_sm120_plugin.dispatch.selfcheck`) holds the kernel to it. An ``"exact"`` kernel
+        that states one must state one of exact class.
     """
 
     name: str
@@ -252,6 +260,7 @@ class KernelSpec:
     tolerance: float = 1e-2
     envelope_note: Callable[[], "str | None"] | None = field(default=None, compare=False)
     precision: str = EXACT
+    accuracy: AccuracyBound | None = None
 
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
@@ -292,6 +301,14 @@ class KernelSpec:
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise PluginError(format_error(f"{owner}.tolerance={tol!r}", "a float in (0, 1): a fraction of the "
                                            "reference output's magnitude", "state the kernel's accuracy, e.g. 1e-2"))
+        if self.accuracy is not None and not isinstance(self.accuracy, AccuracyBound):
+            raise PluginError(format_error(f"{owner}.accuracy={self.accuracy!r}", "an AccuracyBound or None",
+                                           "state AccuracyBound(cos_diff=..., rel_rms=..., max_rel=...)"))
+        if self.accuracy is not None and self.precision == EXACT and not self.accuracy.exact_class:
+            raise PluginError(format_error(
+                f"{owner}: precision='exact' with accuracy {self.accuracy.summary()}",
+                "an exact kernel's bound within cos_diff <= 5e-06 and relRMS <= 0.30 %",
+                "say precision='fast', or state the exact-class bound the kernel meets"))
 
 
 @dataclass(frozen=True)
@@ -399,6 +416,8 @@ class Decision:
     :param notes: things worth a log line that are not rejections (skipped probes).
     :param alternates: phase -> the other kernels that could serve it, best first (where the
         self-check falls back to when the chosen one fails on this machine).
+    :param classes: phase -> the chosen kernel's accuracy class (``KernelSpec.precision``:
+        ``"exact"`` or ``"fast"``).
     """
 
     context: SelectionContext
@@ -408,6 +427,7 @@ class Decision:
     rejections: tuple[Rejection, ...] = ()
     notes: tuple[str, ...] = ()
     alternates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    classes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def prefill(self) -> str:
@@ -427,5 +447,12 @@ class Decision:
             f"mla_sm120: model={ctx.model_name or ctx.model_arch} ({ctx.model_arch}) "
             f"device={ctx.device.describe()} kv_cache_dtype={ctx.kv_cache_dtype} "
             f"scale_format={self.scale_format} heads_per_rank={ctx.num_heads} index_topk={ctx.index_topk} "
-            f"precision={ctx.precision} prefill={self.prefill} decode={self.decode}; rejected: {rejected}"
+            f"precision={ctx.precision} prefill={self.prefill} decode={self.decode}{self._classes_text()}; "
+            f"rejected: {rejected}"
         )
+
+    def _classes_text(self) -> str:
+        if not self.classes:
+            return ""
+        return " (accuracy class: " + ", ".join(f"{phase} {self.classes[phase]}" for phase in self.kernels
+                                               if phase in self.classes) + ")"

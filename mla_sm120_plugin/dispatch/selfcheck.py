@@ -5,8 +5,12 @@ A kernel that does not compile here (a Triton or FlashInfer JIT failure) or read
 weights have loaded, or never. :func:`check` runs the kernel once on a small deterministic case in
 the real cache layout and scale format, with the real heads per rank, top-k and q dtype, and
 adversarial candidates (-1, out of range, duplicates, a short ``topk_length``), and compares it
-with the torch reference within the kernel's declared ``KernelSpec.tolerance``. Results are kept
-per process and per :class:`CheckKey`, so 78 layers pay for one check.
+with float64 attention over the case's dequantized rows (the torch reference run in float64) in
+FlashMLA's metrics - cos_diff, relRMS and max error (:mod:`mla_sm120_plugin.kernels.accuracy`) -
+against the kernel's declared ``KernelSpec.accuracy`` (``KernelSpec.tolerance``, a max error, for
+a kernel that declares none). An exact-class kernel is held to cos_diff <= 5e-6 and relRMS <= 0.3 %:
+sharp enough that a wrong scale in one step of one tile, or a dropped low half of an fp8 pair,
+fails it. Results are kept per process and per :class:`CheckKey`, so 78 layers pay for one check.
 
 :func:`verify` applies it to a decision: a kernel that fails is replaced by the next kernel the
 decision allows for that phase (that passes its own check), or the engine stops with
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration, format_error
+from mla_sm120_plugin.kernels.accuracy import Accuracy, AccuracyBound, measure
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.dispatch.binding import BoundKernel, bind
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
@@ -67,9 +72,11 @@ class CheckResult:
     :param key: what was checked.
     :param ran: the kernel ran (compiled and returned); False when it raised.
     :param max_error: max |kernel - reference| / max |reference|; None when it did not run.
-    :param tolerance: the kernel's declared tolerance.
+    :param tolerance: the kernel's declared max error.
     :param seconds: wall time of the kernel call and the comparison (first compilation included).
     :param error: why it failed, in one line; None when it passed.
+    :param accuracy: cos_diff, relRMS and max error against float64; None when it did not run.
+    :param bound: the kernel's declared :class:`AccuracyBound`; None when it declares only a tolerance.
     """
 
     key: CheckKey
@@ -78,6 +85,8 @@ class CheckResult:
     tolerance: float
     seconds: float
     error: str | None
+    accuracy: Accuracy | None = None
+    bound: AccuracyBound | None = None
 
     @property
     def passed(self) -> bool:
@@ -85,6 +94,8 @@ class CheckResult:
 
     def summary(self) -> str:
         if self.passed:
+            if self.accuracy is not None and self.bound is not None:
+                return f"{self.key.kernel} ok ({self.accuracy.summary()}; bound {self.bound.summary()}; {self.seconds:.2f} s)"
             return f"{self.key.kernel} ok (max error {self.max_error:.2e} <= {self.tolerance:.0e}, {self.seconds:.2f} s)"
         fp8 = self.key.kv_layout in layout.FP8_LAYOUTS
         where = f" on {self.key.written_format}-written scales" if fp8 else ""
@@ -169,8 +180,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _run_and_compare(kernel: BoundKernel, key: CheckKey, inputs: dict[str, Any], tolerance: float,
-                     start: float) -> CheckResult:
-    """Call the kernel on the case and compare it with the fp32 torch reference."""
+                     start: float, bound: AccuracyBound | None = None) -> CheckResult:
+    """Call the kernel on the case and compare it with float64 attention over the dequantized rows."""
     device = torch.device(key.device)
     try:
         out = kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
@@ -179,25 +190,27 @@ def _run_and_compare(kernel: BoundKernel, key: CheckKey, inputs: dict[str, Any],
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
         return CheckResult(key, False, None, tolerance, time.perf_counter() - start, _one_line(exc))
-    # The reference in fp32 throughout (a bf16 output of its own would add a rounding step the
-    # kernel's output is then measured against).
+    # The truth: the torch reference on a float64 q computes in float64 throughout, over the rows as
+    # the cache dequantizes them, so only the kernel's own arithmetic counts.
     try:
-        ref = torch_sparse_mla(inputs["q"].float(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+        ref = torch_sparse_mla(inputs["q"].double(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
                                kv_layout=key.kv_layout, topk_length=inputs["topk_length"])
     except Exception as exc:  # noqa: BLE001 - no ground truth on this device: the kernel is unproven
         return CheckResult(key, True, None, tolerance, time.perf_counter() - start,
-                           f"the torch reference could not run on {device}: {_one_line(exc)}")
+                           f"the torch reference could not run on {device}: {_one_line(exc)}", bound=bound)
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return CheckResult(key, True, None, tolerance, time.perf_counter() - start,
-                           f"output shape {shape}, expected {tuple(ref.shape)}")
-    diff = (out.float() - ref).abs()
-    scale = max(ref.abs().max().item(), 1e-30)
-    max_error = diff.max().item() / scale if diff.numel() else 0.0
+                           f"output shape {shape}, expected {tuple(ref.shape)}", bound=bound)
+    got = measure(out, ref)
     error = None
-    if not max_error <= tolerance:  # NaN fails too
-        error = f"max error {max_error:.3g} of the output's magnitude > tolerance {tolerance:g}"
-    return CheckResult(key, True, max_error, tolerance, time.perf_counter() - start, error)
+    if bound is not None:
+        over = bound.violations(got)
+        if over:
+            error = f"{', '.join(over)} against float64 (bound {bound.summary()})"
+    elif not got.max_rel <= tolerance:  # NaN fails too
+        error = f"max error {got.max_rel:.3g} of the output's magnitude > tolerance {tolerance:g}"
+    return CheckResult(key, True, got.max_rel, tolerance, time.perf_counter() - start, error, got, bound)
 
 
 def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str, num_heads: int, topk: int,
@@ -222,7 +235,8 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str,
                    q_dtype, str(device))
     if key in _results:
         return _results[key]
-    tolerance = get_registry().kernels[kernel.name].tolerance
+    spec = get_registry().kernels[kernel.name]
+    tolerance, bound = spec.tolerance, spec.accuracy
     start = time.perf_counter()
     inputs: dict[str, Any] = {}
     with _forward_time_defaults():
@@ -230,9 +244,9 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, scale_format: str,
             inputs = _case(key, device)
         except Exception as exc:  # noqa: BLE001 - a case this device cannot hold fails the check, never the engine
             result = CheckResult(key, False, None, tolerance, time.perf_counter() - start,
-                                 f"could not build the self-check case on {device}: {_one_line(exc)}")
+                                 f"could not build the self-check case on {device}: {_one_line(exc)}", bound=bound)
         else:
-            result = _run_and_compare(kernel, key, inputs, tolerance, start)
+            result = _run_and_compare(kernel, key, inputs, tolerance, start, bound)
     del inputs
     _results[key] = result
     return result
@@ -294,7 +308,7 @@ def verify(decision: Any, kernels: dict[str, BoundKernel], *, q_dtype: str, devi
             raise UnsupportedConfiguration(format_error(
                 f"{ctx.describe()}: {phase} kernel {bound.name} failed its self-check on {device} "
                 f"({result.error})" + ("" if strict else f"; alternates tried: {tried if len(failures) > 1 else 'none'}"),
-                f"a {phase} kernel that matches the torch reference within its declared tolerance here",
+                f"a {phase} kernel that matches float64 attention within its declared bounds here",
                 "force another kernel (decode_kernel / prefill_kernel in the plugin config), fix or update the "
                 f"failing kernel's package, or set {ENV}=off to skip the check (at your own risk)"
                 + ("" if not strict else f"; {ENV}=on falls back instead of raising"),

@@ -19,13 +19,17 @@ Triton bundles:
 The gate (:func:`gate_failures`): every variant compiles, without spills, within a block's shared
 memory (spills of a variant whose caches are served only on other arches, :data:`SERVED_ONLY_ON`,
 are reported but do not fail that arch); a fast fp8 variant (``kernel=sparse_mla_fast``) compiled for sm_120a/sm_121a must also run
-its latent dots as fp8 MMAs (``QMMA``) and fit at least two CTAs per SM.
+its latent dots as block-scaled fp8 MMAs (``QMMA.SF``) and fit the CTAs per SM the launch plan sizes
+its waves with (:data:`~mla_sm120_plugin.kernels.dsa.triton_plan.FAST`). On sm_120a/121a the fast
+variants are compiled twice: with the ptxas Triton bundles and with the CUDA >= 13 ptxas a
+deployment's Triton may be pointed at instead (:func:`system_ptxas`); both must pass.
 
 Used by ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -52,8 +56,8 @@ SM_LIMITS = {
 _REG_UNIT = 256
 _RESERVED_SHARED_PER_CTA = 1_024
 FAST_KERNEL = "sparse_mla_fast"  # the variants the fp8 rules apply to (their describe's kernel=)
-FP8_MMA_ARCHES = (120, 121)  # where a fast variant must show QMMA and two CTAs per SM
-MIN_FAST_CTAS_PER_SM = 2
+FP8_MMA_ARCHES = (120, 121)  # where a fast variant must show QMMA.SF and the plan's CTAs per SM
+FP8_MMA_KIND = "QMMA.SF.16832.F32.E4M3.E4M3.E8"  # the full-rate (block-scaled) fp8 MMA on SM12x
 # Layouts the plugin serves on some arches only -> those arches. nvfp4_ds_mla: the policy serves it
 # on SM12x alone (vLLM reads it with FlashMLA on SM100 and nowhere else); on sm_90a its exact-kernel
 # variants compile but spill (255 registers, 4-24 bytes: the e2m1 decode's extra live values), a cost
@@ -276,12 +280,21 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
         if r["shared_bytes"] > ARCHES[arch]:
             failures.append(f"{r['variant']}: {r['shared_bytes']} B of shared memory > {ARCHES[arch]} B a block")
         if r["kernel"] == FAST_KERNEL and arch in FP8_MMA_ARCHES:
-            if not any(kind.startswith("QMMA") for kind in r["mma"]):
-                failures.append(f"{r['variant']}: no fp8 MMA (QMMA) in its SASS: {r['mma']}")
-            if r["ctas_per_sm"] < MIN_FAST_CTAS_PER_SM:
-                failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {MIN_FAST_CTAS_PER_SM}, "
-                                f"limited by {r['ctas_limited_by']})")
+            qmma = {kind for kind in r["mma"] if kind.startswith("QMMA")}
+            if qmma != {FP8_MMA_KIND}:
+                failures.append(f"{r['variant']}: its fp8 MMAs are {sorted(qmma)}, not only {FP8_MMA_KIND}: {r['mma']}")
+            planned = fast_ctas_per_sm(arch)
+            if r["ctas_per_sm"] < planned:
+                failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {planned}, what the launch "
+                                f"plan sizes its waves with; limited by {r['ctas_limited_by']})")
     return failures
+
+
+def fast_ctas_per_sm(arch: int) -> int:
+    """CTAs per SM the launch plan assumes for the fast kernel on ``sm_<arch>a``."""
+    from mla_sm120_plugin.kernels.dsa import triton_plan
+
+    return triton_plan.FAST.ctas_per_sm[triton_plan.family_of(arch // 10, arch % 10)]
 
 
 def report(arch: int) -> dict[str, Any]:
@@ -312,14 +325,58 @@ def report(arch: int) -> dict[str, Any]:
 PTXAS_OVERRIDES = ("TRITON_PTXAS_BLACKWELL_PATH", "TRITON_PTXAS_PATH")
 
 
-def _compile_fresh(launch: Any, arch: int) -> dict[str, Any]:
-    """:func:`compile_launch` with Triton's bundled ptxas, into a private, empty Triton cache (a
-    cubin cached by another checkout's run, or built by another ptxas, is never what the gate reads)."""
+_RELEASE = re.compile(r"release (\d+)\.(\d+)")
+
+
+def _ptxas_release(path: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError:
+        return None
+    found = _RELEASE.search(out.stdout + out.stderr)
+    return (int(found.group(1)), int(found.group(2))) if out.returncode == 0 and found else None
+
+
+@functools.cache
+def system_ptxas() -> dict[str, str] | None:
+    """The CUDA >= 13 ptxas a deployment's Triton may compile with instead of its own:
+    ``{"path", "release", "found_by"}``, or None when this machine has none.
+
+    First the one FlashInfer's import points ``TRITON_PTXAS_BLACKWELL_PATH`` at (``ptxas`` on
+    PATH, release >= 13: the same rule); else the one pip's ``nvidia-cuda-nvcc`` (installed with
+    vLLM's torch) puts beside the CUDA libraries, so an engine environment always gates a second
+    build."""
+    import importlib.util
+    import shutil
+
+    candidates = [(shutil.which("ptxas"), "ptxas on PATH (what FlashInfer's import selects)")]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append((str(Path(root) / "cu13" / "bin" / "ptxas"), "pip's nvidia-cuda-nvcc"))
+    for path, found_by in candidates:
+        if path and Path(path).is_file():
+            release = _ptxas_release(path)
+            if release and release[0] >= 13:
+                return dict(path=str(Path(path).resolve()), release=f"{release[0]}.{release[1]}", found_by=found_by)
+    return None
+
+
+def _compile_fresh(launch: Any, arch: int, ptxas: str | None = None) -> dict[str, Any]:
+    """:func:`compile_launch` with Triton's bundled ptxas (or with ``ptxas``, through Triton's own
+    override variables), into a private, empty Triton cache (a cubin cached by another checkout's
+    run, or built by another ptxas, is never what the gate reads)."""
+    from triton.backends.nvidia import compiler as nvidia_compiler
+
+    # Triton memoizes the ptxas version (it picks the PTX version from it): forget it on the way in
+    # and out, so each build's PTX is the one its ptxas reads.
+    nvidia_compiler.get_ptxas_version.cache_clear()
     saved = {key: os.environ.get(key) for key in ("TRITON_CACHE_DIR", *PTXAS_OVERRIDES)}
     with tempfile.TemporaryDirectory(prefix="mla-sm120-gate-") as cache_dir:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
         for key in PTXAS_OVERRIDES:
             os.environ.pop(key, None)
+            if ptxas is not None:
+                os.environ[key] = ptxas
         try:
             return compile_launch(launch, arch)
         finally:
@@ -328,14 +385,22 @@ def _compile_fresh(launch: Any, arch: int) -> dict[str, Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            nvidia_compiler.get_ptxas_version.cache_clear()
 
 
 def _report_here(arch: int) -> dict[str, Any]:
     import triton
 
-    rows = [_compile_fresh(launch, arch) for launch in launches()]
+    every = launches()
+    rows = [_compile_fresh(launch, arch) for launch in every]
     compiled = [r for r in rows if r["compiled"]]
     failures = gate_failures(arch, rows)
+    other = system_ptxas() if arch in FP8_MMA_ARCHES else None
+    other_rows = []
+    if other is not None:
+        other_rows = [_compile_fresh(launch, arch, other["path"]) for launch in every
+                      if launch.describe.get("kernel") == FAST_KERNEL]
+        failures += [f"[ptxas {other['release']}] {f}" for f in gate_failures(arch, other_rows)]
     return dict(
         arch=arch,
         target=f"sm_{arch}a",
@@ -350,6 +415,8 @@ def _report_here(arch: int) -> dict[str, Any]:
         gate_passed=not failures,
         gate_failures=failures,
         variants=rows,
+        system_ptxas=other,
+        system_ptxas_variants=other_rows,
     )
 
 

@@ -146,3 +146,93 @@ def test_arbitrary_kernels_are_checked_on_pow2_written_caches_too():
     written = {key.written_format for key in selfcheck._results if key.kernel == TRITON}
     assert written == {layout.SCALE_ARBITRARY, layout.SCALE_POW2}, written
     assert line.startswith("mla_sm120: self-check: decode=triton_sparse_mla ok")
+
+
+# --- Sharp enough to catch a mis-lowered MMA: one wrong step or tile fails an exact-class kernel ------
+# Each fault is the fast kernel with one of its jit helpers replaced (the interpreter resolves them
+# from the module at call time), the kind of error a wrong `tl.dot_scaled` lowering or a scale-layout
+# slip would make; two of them are small enough to hide inside the 0.15 max-error tolerance a
+# single-e4m3 kernel needs.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mla_sm120_plugin.dispatch.catalog import TRITON_FAST  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import triton_fast as tf  # noqa: E402
+
+
+@triton.jit
+def _values_with_one_tile_scales_reversed(acc, alpha, p, p_inv, p_e8, p_lo_e8, kv_lat, row_off, valid, cols, scale,
+                                          ones_v):
+    """Latent tile 1's value scales applied to the step's candidates in reverse order (a transposed
+    scale tile), the other tiles right."""
+    flipped = tl.flip(scale, 0)
+    scale = tl.where(tl.min(cols, axis=0) == 128, flipped, scale)
+    x = (p * scale[None, :]) * p_inv[:, None]
+    hi = tf._round_e4m3(x)
+    lo = tf._round_e4m3((x - hi) * tf._P_LO_FACTOR)
+    v = tl.load(kv_lat + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+    acc = tl.dot_scaled(hi.to(tl.float8e4nv), p_e8, "e4m3", v, ones_v, "e4m3", acc=acc * alpha[:, None])
+    return tl.dot_scaled(lo.to(tl.float8e4nv), p_lo_e8, "e4m3", v, ones_v, "e4m3", acc=acc)
+
+
+@triton.jit
+def _values_with_p_exponent_off_by_one_in_a_ragged_step(acc, alpha, p, p_inv, p_e8, p_lo_e8, kv_lat, row_off, valid,
+                                                        cols, scale, ones_v):
+    """In a step with some invalid candidates (token 0's first: the adversarial ids), the MMA's
+    p scale is one binade above the one p was quantized under."""
+    ragged = tl.sum(valid.to(tl.int32), axis=0) < valid.shape[0]
+    p_e8 = tl.where(ragged, p_e8 + 1, p_e8)
+    x = (p * scale[None, :]) * p_inv[:, None]
+    hi = tf._round_e4m3(x)
+    lo = tf._round_e4m3((x - hi) * tf._P_LO_FACTOR)
+    v = tl.load(kv_lat + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+    acc = tl.dot_scaled(hi.to(tl.float8e4nv), p_e8, "e4m3", v, ones_v, "e4m3", acc=acc * alpha[:, None])
+    return tl.dot_scaled(lo.to(tl.float8e4nv), p_lo_e8, "e4m3", v, ones_v, "e4m3", acc=acc)
+
+
+@triton.jit
+def _scores_without_q_lo(q_hi, q_hi_e8, q_lo, q_lo_e8, kv_lat, row_off, valid, cols, scale, ones_k):
+    """The scores from q's hi part alone (the lo part's MMA dropped)."""
+    k_t = tl.load(kv_lat + row_off[None, :] + cols[:, None], mask=valid[None, :], other=0.0)
+    return tl.dot_scaled(q_hi, q_hi_e8, "e4m3", k_t, ones_k, "e4m3") * scale[None, :]
+
+
+# fault -> (the helper replaced, its replacement, whether the error hides inside a 0.15 max error)
+FAULTS = {
+    "value scales of one tile reversed": ("_tile_values", _values_with_one_tile_scales_reversed, True),
+    "p exponent off by one in one step": ("_tile_values", _values_with_p_exponent_off_by_one_in_a_ragged_step, False),
+    "q lo part dropped": ("_tile_scores", _scores_without_q_lo, True),
+}
+FAULT_CASE = dict(phase="decode", kv_layout=layout.FP8_DS_MLA, scale_format=layout.SCALE_ARBITRARY, num_heads=16,
+                  topk=256, device=DEVICE)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the faults are swapped in through Triton's interpreter")
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_self_check_fails_the_fast_kernel_on_a_one_step_fault(monkeypatch, fault):
+    sound = selfcheck.check(bind(TRITON_FAST), **FAULT_CASE)
+    assert sound.passed and sound.bound is not None and sound.bound.exact_class, sound
+    selfcheck.clear_cache()
+    helper, replacement, subtle = FAULTS[fault]
+    monkeypatch.setattr(tf, helper, replacement)
+    broken = selfcheck.check(bind(TRITON_FAST), **FAULT_CASE)
+    assert broken.ran and not broken.passed, (fault, broken)
+    assert "against float64" in broken.error and ("relRMS" in broken.error or "cos_diff" in broken.error)
+    if subtle:  # only the exact-class bound sees it
+        assert broken.accuracy.max_rel < 0.15, broken.accuracy
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the faults are swapped in through Triton's interpreter")
+def test_a_faulty_fast_kernel_falls_back_naming_why(monkeypatch):
+    from mla_sm120_plugin.selection import select
+    from mla_sm120_plugin.types import DeviceInfo, SelectionContext
+
+    decision = select(SelectionContext("GlmMoeDsaForCausalLM", layout.FP8_DS_MLA, 16, 256,
+                                       DeviceInfo("nvidia", 12, 0, source="--sm"), precision="exact"))
+    assert decision.decode == TRITON_FAST and decision.alternates["decode"][0] == TRITON, decision
+    monkeypatch.setattr(tf, *FAULTS["q lo part dropped"][:2])
+    chosen, line = selfcheck.verify(decision, {"decode": bind(TRITON_FAST)}, q_dtype="bf16", device=DEVICE,
+                                    strict=False)
+    assert chosen["decode"].name == TRITON, line
+    assert f"decode={TRITON_FAST} FAILED" in line and "against float64" in line and f"falling back to {TRITON} ok" in line

@@ -157,10 +157,10 @@ def _adversarial(nv_case, name):
 def test_kernels_match_float64_attention_over_the_oracles_rows(nv_case, name, kernel):
     """The torch reference and the exact Triton kernel (split-K decode path, forced, so partials and
     the combine run) against float64 attention over the rows the oracle decodes. Tolerance:
-    :data:`helpers.KERNEL_REL_TOL` of the output's magnitude (2e-5 where the dots run in fp32: the
-    reference, and Triton's interpreter; 1e-2 on a GPU, where Triton's dot operands are bf16: the
-    dequantized keys and values are exact in bf16, e2m1 x e4m3 having at most 5 significant bits,
-    so only q's and the probabilities' rounding remains, as for every other layout)."""
+    :data:`helpers.KERNEL_REL_TOL` of the output's magnitude for the Triton kernel (its dot operands
+    are bf16, on a GPU and in the interpreter alike: the dequantized keys and values are exact in
+    bf16, e2m1 x e4m3 having at most 5 significant bits, so only q's and the probabilities' rounding
+    remains, as for every other layout), 2e-5 for the reference (fp32 dots)."""
     case, topk_length = _adversarial(nv_case, name)
     keys = layout_oracle.decode_cache(case.kv_cache, NV)
     want, want_lse = layout_oracle.attention(case.q.double().cpu(), keys, case.indices.cpu(), case.sm_scale,

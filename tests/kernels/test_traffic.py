@@ -52,13 +52,13 @@ def test_t1_partials_are_no_more_bytes_than_the_cache_rows(kernel, family, heads
 
 
 def test_the_model_counts_what_a_hand_count_gives():
-    """T=1, 16 heads, top-k 2048 in 22 bf16 splits of 96 candidates, bf16 q and out."""
+    """T=1, 16 heads, top-k 2048 in 22 fp32 splits of 96 candidates, bf16 q and out."""
     cfg = plan.FAST.config(22, 3)
     t = plan.traffic(cfg, 1, 16, 2048)
     assert t.cache == 2048 * 656
     assert t.q == 22 * 16 * 576 * 2  # every split reloads q
     assert t.indices == 2048 * 4 + 22 * 32 * 4  # plus the step each split prefetches past its range
-    assert t.partials == 22 * 16 * (512 * 2 + 4) * 2  # written, then read back by the combine
+    assert t.partials == 22 * 16 * (512 * 4 + 4) * 2  # written, then read back by the combine
     assert t.output == 16 * 512 * 2
     assert t.minimum == 2048 * 656 + 16 * 576 * 2 + 2048 * 4 + 16 * 512 * 2
     # Several head blocks read the rows once each; one split moves no partials.

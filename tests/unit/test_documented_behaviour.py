@@ -996,7 +996,7 @@ def test_check_prints_the_model_the_bounds_and_each_rejection(capsys):
     assert "calls      decode <= 64 tokens, prefill <= 4096 tokens; CUDA graphs off" in lines
     header = lines.index("phase    kernel                   status")
     assert lines[header - 1] == ""
-    assert lines[header + 1].startswith("prefill  ") and lines[header + 1].endswith(" SELECTED")
+    assert lines[header + 1].startswith("prefill  ") and " SELECTED (exact class: cos_diff <= 5e-06, " in lines[header + 1]
     assert any(line.startswith(" " * 9 + "flashinfer_sparse_mla    rejected: ") for line in lines[header:])
     assert cli.main(["check", "--model", "glm-5", "--sm", "12.0"]) == 0
     assert "calls      decode of any length, prefill of any length; CUDA graphs on" in capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""The ``precision`` setting: ``fast`` lets fp8 q/p kernels serve (FlashInfer, triton_sparse_mla_fast),
-``exact`` keeps to bf16/fp32 operands; ``check`` and the decision line name it; each kernel states
-its own tolerance, and the self-check holds it to that."""
+"""The ``precision`` setting: ``fast`` lets single-fp8 q/p kernels serve (FlashInfer's), ``exact``
+keeps to exact-class kernels (cos_diff <= 5e-6, relRMS <= 0.3 % against float64: the Triton kernels,
+the fast one with its e4m3 hi + lo pairs included); ``check`` and the decision line name it and each
+chosen kernel's class; each kernel states its own bounds, and the self-check holds it to them."""
 
 from __future__ import annotations
 
@@ -29,21 +30,47 @@ def test_fast_is_the_default_and_serves_what_flashinfer_cannot():
     assert "precision=fast" in decision.log_line()
 
 
-def test_exact_keeps_to_kernels_with_bf16_operands():
-    decision = _decide(precision="exact")
-    assert (decision.prefill, decision.decode) == (TRITON, TRITON)
-    reasons = {r.kernel: r.reasons for r in decision.rejections if r.phase == "prefill"}
-    for fast in (FLASHINFER, TRITON_FAST):
-        assert any("precision=exact" in reason for reason in reasons[fast]), reasons[fast]
-    assert "precision=exact" in decision.log_line()
+def test_exact_keeps_to_exact_class_kernels():
+    decision = _decide(precision="exact", heads=8, max_decode_tokens=64)  # FlashInfer serves this decode
+    assert (decision.prefill, decision.decode) == (TRITON_FAST, TRITON_FAST)
+    reasons = {r.kernel: r.reasons for r in decision.rejections if r.phase == "decode"}
+    assert any("precision=exact" in reason and "single fp8 q" in reason for reason in reasons[FLASHINFER])
+    assert not any("precision=exact" in reason for reason in reasons[TRITON])
+    line = decision.log_line()
+    assert "precision=exact" in line and "(accuracy class: prefill exact, decode exact)" in line
+    fast = _decide(heads=8, max_decode_tokens=64)
+    assert (fast.prefill, fast.decode) == (FLASHINFER, FLASHINFER)
+    assert "(accuracy class: prefill fast, decode fast)" in fast.log_line()
+
+
+def test_every_exact_kernel_states_an_exact_class_bound():
+    from mla_sm120_plugin.hooks.manager import get_registry
+
+    for spec in get_registry().kernels.values():
+        assert spec.accuracy is not None, spec.name
+        assert spec.accuracy.exact_class == (spec.precision == "exact"), spec.name
+
+
+def test_a_kernel_cannot_claim_exact_with_a_fast_bound():
+    from mla_sm120_plugin.kernels.accuracy import AccuracyBound
+
+    loose = AccuracyBound(cos_diff=1e-3, rel_rms=0.05, max_rel=0.15)
+    with pytest.raises(PluginError) as err:
+        KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"bf16"}, vendors={"cpu"}, priority=1, entry="m:f",
+                   precision="exact", accuracy=loose)
+    assert_three_parts(str(err.value))
+    assert "relRMS <= 5.00%" in str(err.value) and "precision='fast'" in str(err.value)
+    KernelSpec(name="k", phases={"decode"}, kv_cache_dtypes={"bf16"}, vendors={"cpu"}, priority=1, entry="m:f",
+               precision="fast", accuracy=loose)
 
 
 def test_a_forced_fast_kernel_under_exact_is_refused_naming_the_setting():
     with pytest.raises(UnsupportedConfiguration) as err:
-        _decide(precision="exact", decode_kernel=TRITON_FAST, heads=8)
+        _decide(precision="exact", decode_kernel=FLASHINFER, heads=8, max_decode_tokens=64)
     message = str(err.value)
     assert_three_parts(message)
-    assert "computes with fp8 q and probabilities" in message and 'precision = "fast"' in message.split("fix:")[1]
+    assert "computes with a single fp8 q and probability" in message
+    assert 'precision = "fast"' in message.split("fix:")[1]
 
 
 def test_the_toml_switches_the_kernel(tmp_path):
@@ -54,9 +81,15 @@ def test_the_toml_switches_the_kernel(tmp_path):
     assert exact.returncode == 0, exact.stderr
     exact = json.loads(exact.stdout)
     assert (fast["precision"], fast["kernels"]["prefill"]) == ("fast", TRITON_FAST)
-    assert (exact["precision"], exact["kernels"]["prefill"]) == ("exact", TRITON)
+    assert (exact["precision"], exact["kernels"]["prefill"]) == ("exact", TRITON_FAST)
+    # Where FlashInfer would serve decode, exact keeps to the Triton kernel.
+    bounded = ["check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--max-decode-tokens", "64", "--json"]
+    assert json.loads(run_cli(*bounded).stdout)["kernels"]["decode"] == FLASHINFER
+    exact = json.loads(run_cli(*bounded, "--config", str(toml)).stdout)
+    assert exact["kernels"]["decode"] == TRITON_FAST
     table = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--precision", "exact").stdout
-    assert "precision  exact" in table and f"prefill  {TRITON} " in table
+    assert "precision  exact (exact-class kernels only" in table
+    assert f"prefill  {TRITON_FAST:<24} SELECTED (exact class" in table
 
 
 def test_a_bad_precision_is_a_config_error(tmp_path):
@@ -73,11 +106,12 @@ def test_a_kernel_must_state_its_precision(precision):
                    precision=precision)
 
 
-def test_the_fast_kernels_declared_tolerance_is_the_kernels_own():
+def test_the_fast_kernels_declared_bound_is_the_kernels_own():
     from mla_sm120_plugin.kernels.dsa import triton_fast
 
     assert TRITON_FAST_SPEC.tolerance == triton_fast.TOLERANCE
-    assert TRITON_FAST_SPEC.precision == "fast" and TRITON_FAST_SPEC.priority < 300  # below FlashInfer's
+    assert TRITON_FAST_SPEC.accuracy == triton_fast.ACCURACY and triton_fast.ACCURACY.exact_class
+    assert TRITON_FAST_SPEC.precision == "exact" and TRITON_FAST_SPEC.priority < 300  # below FlashInfer's
 
 
 def test_bench_traffic_prints_the_model_and_the_tables():
@@ -88,3 +122,19 @@ def test_bench_traffic_prints_the_model_and_the_tables():
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(f"family {family}")
         assert all(f"{kernel} on {family}: splits" in res.stdout for kernel in triton_plan.KERNELS)
+
+
+def test_bench_traffic_json_is_json_with_the_same_numbers():
+    from mla_sm120_plugin.kernels.dsa import triton_plan
+
+    res = run_cli("bench", "--traffic", "sm120", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["family"] == "sm120" and report["ctas_per_sm"][TRITON_FAST] == triton_plan.FAST.ctas_per_sm["sm120"]
+    assert len(report["plans"]) == len(triton_plan.KERNELS) * len(triton_plan.MUST_SHOW)
+    first = report["plans"][0]
+    assert first == json.loads(json.dumps(triton_plan.plan_report(first["kernel"], first["num_tokens"],
+                                                                  first["num_heads"], first["topk"], "sm120")))
+    text = run_cli("bench", "--traffic", "sm120").stdout
+    for row in report["tables"][TRITON_FAST]:
+        assert f"{row['splits']} ({row['chunk']})" in text

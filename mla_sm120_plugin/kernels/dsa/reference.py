@@ -90,7 +90,8 @@ def torch_sparse_mla(
 
     The contract (shapes, dtypes, masking) is :func:`mla_sm120_plugin.dispatch.forward.sparse_mla_forward`'s:
 
-    q: [T, H, layout.head_dim], bfloat16 or float32 (576 for the DSA layouts, 512 rope-less)
+    q: [T, H, layout.head_dim], bfloat16, float32 or float64 (576 for the DSA layouts, 512 rope-less);
+        float64 computes everything in float64 (the accuracy metrics' truth)
     kv_cache: [P, page_size, layout.row] in the layout's dtype (uint8 for fp8 layouts, bfloat16
         else); [num_slots, width] flat and page-strided views work too
     indices: [T, topk], int32, global slots (page * page_size + row), -1 padded
@@ -101,6 +102,10 @@ def torch_sparse_mla(
         log when ``lse_base == "e"``, base 2 when ``"2"``)
     """
     lay = layout.get(kv_layout)
+    # float64 q: the whole computation in float64 (the truth the accuracy metrics compare against);
+    # otherwise fp32. The dequantized rows are the cache's own values either way (e4m3 x fp32
+    # scale and e2m1 x e4m3 are exact in fp32).
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     num_tokens, num_heads, _ = q.shape
     topk = indices.shape[1]
     num_slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
@@ -123,11 +128,11 @@ def torch_sparse_mla(
             raw = _gather_rows(kv_cache, slots)  # [c, K, W]
         else:
             raw = torch.zeros(*slots.shape, kv_cache.shape[-1], dtype=kv_cache.dtype, device=q.device)
-        keys = dequantize(raw, kv_layout)  # [c, K, D] fp32, D = head_dim (576 or 512)
+        keys = dequantize(raw, kv_layout).to(compute)  # [c, K, D], D = head_dim (576 or 512)
         del raw
         keys.masked_fill_(~valid[:, :, None], 0.0)
 
-        qf = q[t0:t1].float()  # [c, H, D]
+        qf = q[t0:t1].to(compute)  # [c, H, D]
         scores = torch.bmm(qf, keys.transpose(1, 2)).mul_(sm_scale)  # [c, H, K]
         del qf
         scores.masked_fill_(~valid[:, None, :], float("-inf"))

@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 
@@ -145,12 +146,26 @@ def launch_variants() -> list[LaunchConfig]:
 
 
 @triton.jit
+def _round_bf16(x):
+    """``x`` (fp32) rounded to the nearest bfloat16, ties to even, as fp32 (finite inputs; an
+    overflow rounds to inf as a cast would). A GPU's fp32 -> bf16 cast rounds so, the interpreter's
+    truncates (up to one bf16 ulp, ~0.2 % of the output's RMS): rounding here first makes the cast
+    exact on both, so the CPU tests measure the numerics a GPU has."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b, DOT_BF16: tl.constexpr):
-    """fp32-accumulated a @ b; bf16 operands on a GPU, fp32 under the interpreter."""
+    """fp32-accumulated a @ b with bf16 operands: on a GPU the operands are cast (round to nearest
+    even) and multiplied by the tensor cores; under the interpreter, whose bf16 dot multiplies raw
+    bits, they are rounded the same way (:func:`_round_bf16`) and multiplied in fp32, so the CPU
+    runs the GPU's numerics (bf16 x bf16 products are exact in fp32)."""
     if DOT_BF16:
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
     else:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), out_dtype=tl.float32)
+        c = tl.dot(_round_bf16(a.to(tl.float32)), _round_bf16(b.to(tl.float32)), out_dtype=tl.float32)
     return c
 
 
@@ -260,6 +275,15 @@ def _tile_scales(kv_f32_ptr, row_off, valid, IS_FP8: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _store_rounded(ptrs, x, mask):
+    """Store fp32 ``x`` in the pointer's dtype, a bfloat16 destination rounded to nearest even."""
+    out_ty = ptrs.dtype.element_ty
+    if out_ty == tl.bfloat16:
+        x = _round_bf16(x)
+    tl.store(ptrs, x.to(out_ty), mask=mask)
+
+
+@triton.jit
 def _finalize(
     out_ptr, out_row, out_stride_h, lse_ptr, lse_row, lse_stride_h,
     sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
@@ -281,11 +305,10 @@ def _finalize(
     col = tl.arange(0, _TILE)
     ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + col[None, :]
     mask = h_mask[:, None]
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(ptrs, acc0.to(out_ty), mask=mask)
-    tl.store(ptrs + _TILE, acc1.to(out_ty), mask=mask)
-    tl.store(ptrs + 2 * _TILE, acc2.to(out_ty), mask=mask)
-    tl.store(ptrs + 3 * _TILE, acc3.to(out_ty), mask=mask)
+    _store_rounded(ptrs, acc0, mask)
+    _store_rounded(ptrs + _TILE, acc1, mask)
+    _store_rounded(ptrs + 2 * _TILE, acc2, mask)
+    _store_rounded(ptrs + 3 * _TILE, acc3, mask)
     if write_lse:
         tl.store(lse_ptr + lse_row + heads * lse_stride_h, lse2 * lse_scale, mask=h_mask)
 
@@ -654,12 +677,42 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
                     config=config)
 
 
+# fp8 rows hold fp32 scales at byte 512 of each row: a GPU loads them as 4-byte words, which fault
+# (misaligned address) where a row does not start on a 4-byte boundary; the interpreter reads them
+# anyway.
+_SCALE_ALIGNMENT = 4
+
+
+def _check_alignment(kv_cache: torch.Tensor, kv_layout: str) -> None:
+    """Refuse an fp8 cache whose rows do not all start 4-byte aligned (its origin or a stride)."""
+    if not layout.get(kv_layout).fp8:
+        return
+    item = kv_cache.element_size()
+    offsets = {"the cache's first byte (data_ptr)": kv_cache.data_ptr()}
+    offsets.update({f"kv_cache.stride({d}) in bytes": kv_cache.stride(d) * item for d in range(kv_cache.dim() - 1)})
+    for what, value in offsets.items():
+        if value % _SCALE_ALIGNMENT:
+            raise KernelInputError(format_error(
+                f"kv_cache ({kv_layout}) with {what} = {value}, not a multiple of {_SCALE_ALIGNMENT}",
+                f"rows that start on {_SCALE_ALIGNMENT}-byte boundaries: each fp8 row's fp32 scales are "
+                "loaded as 4-byte words, which a GPU cannot load from a misaligned address",
+                "pass the cache tensor itself (or a view starting at a row), not a view offset by a few bytes"))
+
+
 def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_scale, kv_layout, topk_length,
              sink, out, return_lse, lse_base, config: LaunchConfig | None):
     """Allocate what a call returns, pick its config (``config`` or the table's for ``kernel`` on
     this device's family) and run the launches ``make_plan`` (a ``launch_plan``) returns."""
     num_tokens, num_heads, _ = q.shape
     device = q.device
+    _check_alignment(kv_cache, kv_layout)
+    # The kernels read topk_length as int32 and the sink as fp32; a GPU compiles whatever dtype it is
+    # handed (an int64 length read as two int32 halves, a float64 sink as garbage), so they are
+    # converted here. A length past int32 is past any top-k, which the kernels clamp to anyway.
+    if topk_length is not None and topk_length.dtype != torch.int32:
+        topk_length = topk_length.clamp(max=2**31 - 1).to(torch.int32)
+    if sink is not None and sink.dtype != torch.float32:
+        sink = sink.to(torch.float32)
     # The kernels index the last dim of q, indices and out with stride 1.
     if q.stride(-1) != 1:
         q = q.contiguous()

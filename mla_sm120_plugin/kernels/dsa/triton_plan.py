@@ -10,11 +10,13 @@ variant, read by :mod:`~mla_sm120_plugin.tools.compile_gate` from the cubin (Tri
 * ``triton_sparse_mla`` (exact, bf16 MMAs): 16 heads x 32 candidates, 8 warps, 134 registers and
   56.8 KB of shared memory on sm_120a, so 1 CTA per SM (2 on sm_90a: 128 registers, 228 KB an SM);
   fp32 partials (its numerics are the reference's to ~1e-6).
-* ``triton_sparse_mla_fast`` (fp8 MMAs): 16 x 32, 8 warps, 128 registers and 48.6 KB of shared
-  memory, so 2 CTAs per SM on sm_120a/121a (and sm_90a); bf16 partials (within its tolerance).
+* ``triton_sparse_mla_fast`` (fp8 MMAs, q and p each as an e4m3 hi + lo pair): 16 x 32, 8 warps,
+  128 registers and 55.5 KB of shared memory, so 1 CTA per SM on sm_120a/121a (by shared memory:
+  the q pair is 16 KB; 1 on sm_90a too, 184 registers there); fp32 partials (bf16 ones, rounded
+  again in the combine, cost an exact-class kernel ~0.1 % relRMS).
 * The rope-less variants (GLM-5.3-Flash's ``fp8_ds_mla_nope`` / ``fp8_nope``, one compiled code):
   exact 134 registers and 50.7 KB (1 CTA per SM on sm_120a/121a, 2 on sm_90a at 128 registers);
-  fast 128 registers and 42.5 KB (2 CTAs per SM, QMMA only: no rope dot). ``bf16_nope``: exact,
+  fast 128 registers and 49.5 KB (1 CTA per SM, 512 bytes over two; QMMA only: no rope dot). ``bf16_nope``: exact,
   80 registers and 82.9 KB (1 CTA per SM on sm_120a/121a, by shared memory).
 
 Larger blocks (64 candidates, 32 heads) or 4 warps spill or fall to one CTA an SM on sm_120a, so
@@ -109,7 +111,7 @@ class KernelShape:
 
 
 EXACT = KernelShape("triton_sparse_mla", 16, 32, 8, 2, None, "fp32", {"sm120": 1, "sm121": 1, "sm90": 2})
-FAST = KernelShape("triton_sparse_mla_fast", 16, 32, 8, 2, None, "bf16", {"sm120": 2, "sm121": 2, "sm90": 2})
+FAST = KernelShape("triton_sparse_mla_fast", 16, 32, 8, 2, None, "fp32", {"sm120": 1, "sm121": 1, "sm90": 1})
 KERNELS = {k.name: k for k in (EXACT, FAST)}
 
 
@@ -320,6 +322,23 @@ def format_report(family_name: str = DEFAULT_FAMILY) -> str:
                          f"{tr['total']:>9.3f}{tr['minimum']:>9.3f}{tr['ratio']:>7.3f}"
                          f"{tr['partials_over_cache']:>11.3f}")
     return "\n".join(lines)
+
+
+def json_report(family_name: str = DEFAULT_FAMILY) -> dict:
+    """What :func:`format_report` and :func:`format_table` print, as data: the family, each kernel's
+    plan and traffic for :data:`MUST_SHOW`, and each kernel's table as ``{"heads", "tokens",
+    "topk", "splits", "chunk"}`` rows."""
+    family = FAMILIES[family_name]
+    tables = {}
+    for name in KERNELS:
+        entries = table(name, family_name)
+        tables[name] = [dict(heads=h, tokens=t, topk=k, splits=_cdiv(k, entries[(h, t, k)][0]),
+                             chunk=entries[(h, t, k)][0]) for h in HEAD_BUCKETS for t in TOKEN_BUCKETS
+                        for k in TOPK_BUCKETS]
+    return dict(family=family_name, part=family.part, num_sms=family.num_sms, bandwidth_gbps=family.bandwidth_gbps,
+                ctas_per_sm={name: kernel.ctas_per_sm[family_name] for name, kernel in KERNELS.items()},
+                plans=[plan_report(name, t, h, k, family_name) for name in KERNELS for t, h, k in MUST_SHOW],
+                tables=tables)
 
 
 def format_table(kernel_name: str, family_name: str = DEFAULT_FAMILY) -> str:

@@ -1,0 +1,108 @@
+"""How close a kernel's output is to the truth, in FlashMLA's metrics (FACTS.md section 15).
+
+The truth is float64 attention over the *dequantized* cache rows, so only a kernel's own arithmetic
+counts (the cache's rounding is the same for every kernel). Three numbers over the whole output:
+
+* ``cos_diff = 1 - 2 <a, b> / (|a|^2 + |b|^2)`` (FlashMLA's ``kernelkit/compare.py``; about
+  ``rel_rms ** 2 / 2``): FlashMLA's tests hold its sparse fp8 decode to 5e-6;
+* ``rel_rms = |a - b| / |b|``: the error's energy against the output's;
+* ``max_rel = max |a - b| / max |b|``: the worst element against the largest (it swings with
+  few-candidate cases, so it is reported, and bounded loosely).
+
+A kernel declares an :class:`AccuracyBound` in these metrics (its class: ``exact`` kernels hold
+cos_diff <= 5e-6 and rel_rms <= 0.3 %, or tighter); tests, ``bench``, the accuracy benchmark and
+the engines' self-check measure and report the same three numbers.
+
+Importing this module imports nothing heavy; :func:`measure` takes torch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# FlashMLA's bar for sparse fp8 decode (cos_diff) and the relative RMS it implies.
+EXACT_COS_DIFF = 5e-6
+EXACT_REL_RMS = 3e-3
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """One comparison's result (see the module docstring); all three are >= 0, ``inf`` when the
+    output is nonzero or not finite where the reference is all zero or finite."""
+
+    cos_diff: float
+    rel_rms: float
+    max_rel: float
+
+    def summary(self) -> str:
+        return f"cos_diff {self.cos_diff:.2e}, relRMS {self.rel_rms:.3%}, max {self.max_rel:.3%}"
+
+
+@dataclass(frozen=True)
+class AccuracyBound:
+    """What a kernel promises against float64 over the dequantized rows (:class:`Accuracy`'s
+    metrics). Validates itself: each bound is a finite number > 0."""
+
+    cos_diff: float
+    rel_rms: float
+    max_rel: float
+
+    def __post_init__(self) -> None:
+        for name in ("cos_diff", "rel_rms", "max_rel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"AccuracyBound.{name}={value!r}: a finite number > 0")
+
+    @property
+    def exact_class(self) -> bool:
+        """Whether the bound is within FlashMLA's bar (cos_diff <= 5e-6 and rel_rms <= 0.3 %)."""
+        return self.cos_diff <= EXACT_COS_DIFF and self.rel_rms <= EXACT_REL_RMS
+
+    def violations(self, got: Accuracy) -> list[str]:
+        """Each metric of ``got`` over its bound, as ``"relRMS 4.1% > 0.30%"``; empty when within."""
+        out = []
+        if not got.cos_diff <= self.cos_diff:
+            out.append(f"cos_diff {got.cos_diff:.2e} > {self.cos_diff:.0e}")
+        if not got.rel_rms <= self.rel_rms:
+            out.append(f"relRMS {got.rel_rms:.3%} > {self.rel_rms:.2%}")
+        if not got.max_rel <= self.max_rel:
+            out.append(f"max {got.max_rel:.3%} > {self.max_rel:.2%}")
+        return out
+
+    def summary(self) -> str:
+        return f"cos_diff <= {self.cos_diff:.0e}, relRMS <= {self.rel_rms:.2%}, max <= {self.max_rel:.1%}"
+
+
+def measure(out: "torch.Tensor", ref: "torch.Tensor") -> Accuracy:
+    """Compare ``out`` (any float dtype) with ``ref`` (float64 truth) over all elements.
+
+    out, ref: the same shape (e.g. [T, H, 512]); both are widened to float64 here.
+    """
+    a = out.detach().to(device="cpu", dtype=_float64())
+    b = ref.detach().to(device="cpu", dtype=_float64())
+    if a.shape != b.shape:
+        raise ValueError(f"measure: out {tuple(a.shape)} and ref {tuple(b.shape)} differ in shape")
+    if not bool(a.isfinite().all()):
+        return Accuracy(math.inf, math.inf, math.inf)
+    diff = a - b
+    ref_sq = float((b * b).sum())
+    out_sq = float((a * a).sum())
+    diff_norm = float(diff.norm())
+    ref_max = float(b.abs().max()) if b.numel() else 0.0
+    if ref_sq == 0.0:
+        zero = out_sq == 0.0
+        return Accuracy(0.0 if zero else math.inf, 0.0 if zero else math.inf, 0.0 if zero else math.inf)
+    cos_diff = max(0.0, 1.0 - 2.0 * float((a * b).sum()) / (out_sq + ref_sq))
+    return Accuracy(cos_diff=cos_diff, rel_rms=diff_norm / math.sqrt(ref_sq),
+                    max_rel=float(diff.abs().max()) / ref_max)
+
+
+def _float64():
+    import torch
+
+    return torch.float64
