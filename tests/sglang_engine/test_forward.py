@@ -27,17 +27,17 @@ from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import hooks
 from mla_sm120_plugin.kernels.dsa import layout
-from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
+from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST, TRITON_FAST_SPEC
 from mla_sm120_plugin.kernels.dsa.triton import triton_sparse_mla
 
 HEADS, TOPK, PAGES, SEQ = 16, 64, 4, 200  # 256 slots; every request sees 200 tokens
 
 
-def _decide(tmp_path, capability, monkeypatch, kv: str) -> None:
-    """The launcher's decision: Triton decodes, the reference prefills (eager, so it may)."""
+def _decide(tmp_path, capability, monkeypatch, kv: str, decode: str = TRITON) -> None:
+    """The launcher's decision: Triton decodes (``decode``), the reference prefills (eager, so it may)."""
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
+    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{decode}"}}')
     sa = ServerArgs(model_path=write_model(tmp_path, "glm", heads=HEADS), skip_tokenizer_init=True,
                     kv_cache_dtype=kv, disable_cuda_graph=True)
     overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
@@ -116,12 +116,48 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     # The phase reached the kernel the decision bound for it.
     assert [kernel_name for kernel_name, *_ in ran] == [kernel]
     # Against attention computed independently on SGLang's own dequantization. The difference is
-    # the bf16 output's rounding (up to 2**-7 of a value where Triton's interpreter truncates) plus
-    # SGLang's dequantization to bf16 (the kernels dequantize to fp32): measured 2.7e-3 to 7.9e-3.
+    # the bf16 output's rounding and bf16 dot operands plus SGLang's dequantization to bf16 (the
+    # kernels dequantize to fp32): measured 2.7e-3 to 1.0e-2.
     dense = _dense_reference(q, cache, kv, slots, lengths, sm_scale)
     err = ((out.double() - dense).abs().max() / dense.abs().max()).item()
     print(f"\nmax |out - dense| / max |dense|, {kv} {mode.name} ({kernel}): {err:.2e}")
-    assert err < 1e-2
+    assert err < 2e-2
+    # And against float64 over the rows exactly as the bytes hold them, in the kernel's own bound.
+    from layout_oracle import attention, decode_cache
+
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.kernels.accuracy import measure
+
+    keys = decode_cache(cache, layout.FP8_DS_MLA) if kv == "fp8_e4m3" else cache.view(-1, layout.HEAD_DIM).double()
+    exact, _ = attention(q, keys, slots, sm_scale, topk_length=lengths)
+    got = measure(out, exact)
+    assert not get_registry().kernels[kernel].accuracy.violations(got), got
+
+
+@pytest.mark.parametrize("entry, mode", [("forward_decode", ForwardMode.DECODE),
+                                         ("forward_extend", ForwardMode.TARGET_VERIFY)])
+def test_the_fast_kernel_through_sglang_is_exact_class(tmp_path, capability, monkeypatch, entry, mode):
+    """The fp8-MMA kernel on a cache SGLang's own writer packed, through SGLang's call site (per-row
+    lengths, its index transform), against float64 attention over the rows exactly as the bytes
+    hold them (tests/layout_oracle.py): within its declared exact-class bound."""
+    from layout_oracle import attention, decode_cache
+
+    from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, measure
+
+    _decide(tmp_path, capability, monkeypatch, "fp8_e4m3", decode=TRITON_FAST)
+    gen = torch.Generator().manual_seed(13)
+    cache, dim = _sglang_cache("fp8_e4m3", gen)
+    q = torch.randn(5, HEADS, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
+    slots, lengths = _sglang_slots(5, gen)
+    ran: list = []
+    _spy_on_bound_kernels(ran)
+    sm_scale = 0.135  # DeepSeek-V3.2's: a peaked softmax
+    out = _through_sglang(getattr(hooks, f"around_{entry}"), mode, q, cache, dim, slots, lengths, sm_scale)
+    assert [kernel_name for kernel_name, *_ in ran] == [TRITON_FAST]
+    expected, _ = attention(q, decode_cache(cache, layout.FP8_DS_MLA), slots, sm_scale, topk_length=lengths)
+    got = measure(out, expected)
+    assert not TRITON_FAST_SPEC.accuracy.violations(got), got
+    assert got.cos_diff <= EXACT_COS_DIFF and got.rel_rms <= EXACT_REL_RMS, got
 
 
 def test_validator_takes_the_launchers_decision(tmp_path, capability, monkeypatch):

@@ -219,4 +219,6 @@ def test_the_decision_line_names_the_precision_and_the_config_switches_it(tmp_pa
     exact = decide(make_vllm_config(model, tp=16, additional_config={"mla_sm120": {"precision": "exact"}}),
                    "fp8_ds_mla", 12, 0)
     assert "precision=fast" in fast.log_line() and "precision=exact" in exact.log_line()
-    assert FLASHINFER not in exact.kernels.values() and "triton_sparse_mla_fast" not in exact.kernels.values()
+    # exact keeps to exact-class kernels: FlashInfer's single-e4m3 path out, the fp8-MMA Triton kernel in
+    assert FLASHINFER not in exact.kernels.values() and set(exact.classes.values()) == {"exact"}
+    assert "(accuracy class: prefill exact, decode exact)" in exact.log_line()
