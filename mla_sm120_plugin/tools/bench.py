@@ -17,8 +17,9 @@ launch configuration, as vLLM calls it (the kernel function with its own output 
   fraction of the measured device-to-device copy bandwidth (bytes read plus written);
 * ``tflops``: ``2 * T * H * topk * (head_dim + 512)`` / graph time (head_dim 576, 512 rope-less),
   and its fraction of the measured dense bf16 matmul rate;
-* ``max_rel_diff`` against the torch reference (on the first :data:`REFERENCE_TOKENS` tokens) and
-  the kernel's declared ``tolerance``;
+* ``cos_diff``, ``rel_rms`` and ``max_rel_diff`` against float64 attention over the dequantized
+  rows (the torch reference on a float64 q, on the first :data:`REFERENCE_TOKENS` tokens) and the
+  kernel's declared ``bound`` in the same metrics (:mod:`mla_sm120_plugin.kernels.accuracy`);
 * ``config`` and ``traffic``: the launch configuration and the bytes its launches move
   (:func:`mla_sm120_plugin.kernels.dsa.triton_plan.traffic`: the same model the table is chosen by,
   computable without a GPU), so a timing can be read against its bytes.
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mla_sm120_plugin.kernels.accuracy import measure
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
@@ -137,22 +139,23 @@ def _bound_fn(name: str, inputs: dict[str, Any], out: torch.Tensor):
                               kv_layout=inputs["kv_layout"], out=out, scale_format=layout.SCALE_ARBITRARY)
 
 
-def _tolerance(kernel: str) -> float | None:
-    if kernel == plan.FAST.name:
-        from mla_sm120_plugin.kernels.dsa import triton_fast
+def _bound(kernel: str) -> dict[str, float] | None:
+    """The kernel's declared accuracy bound (its KernelSpec's, the one source of truth)."""
+    from mla_sm120_plugin.dispatch import catalog
 
-        return triton_fast.TOLERANCE
-    if kernel == plan.EXACT.name:
-        return 2e-2  # the catalog's: bf16 dot operands on a GPU
-    return None
+    spec = {catalog.TRITON: catalog.TRITON_SPEC, catalog.TRITON_FAST: catalog.TRITON_FAST_SPEC}.get(kernel)
+    if spec is None or spec.accuracy is None:
+        return None
+    return dict(cos_diff=spec.accuracy.cos_diff, rel_rms=spec.accuracy.rel_rms, max_rel=spec.accuracy.max_rel)
 
 
 def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, heads: int, quick: bool,
              kv_layout: str = layout.FP8_DS_MLA) -> dict[str, Any]:
     import triton.testing
 
-    got = fn()[: ref.shape[0]].float()
-    diff = (got - ref.float()).abs().max().item()
+    got = fn()[: ref.shape[0]]
+    diff = (got.double() - ref.double()).abs().max().item()
+    acc = measure(got, ref)  # ref: float64 over the dequantized rows
     rep = 20 if quick else 40
     eager_ms = triton.testing.do_bench(fn, warmup=5, rep=rep)
     graph_ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
@@ -163,7 +166,8 @@ def _measure(fn, ref: torch.Tensor, ceilings: dict[str, float], tokens: int, hea
     return dict(eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3, host_us=(eager_ms - graph_ms) * 1e3,
                 gbps=gbps, fraction_of_copy_bandwidth=gbps / ceilings["copy_gbps"],
                 tflops=tflops, fraction_of_matmul=tflops / ceilings["matmul_tflops"],
-                max_abs_diff=diff, max_rel_diff=diff / max(ref.float().abs().max().item(), 1e-30))
+                max_abs_diff=diff, max_rel_diff=diff / max(ref.abs().max().item(), 1e-30),
+                cos_diff=acc.cos_diff, rel_rms=acc.rel_rms)
 
 
 def _config_dict(cfg: plan.LaunchConfig) -> dict[str, Any]:
@@ -176,7 +180,8 @@ def _shape_row(tokens: int, heads: int, device: str, family: str, sm90: bool, ce
                quick: bool, kv_layout: str = layout.FP8_DS_MLA) -> dict[str, Any]:
     inputs = make_inputs(heads, TOPK, tokens, kv_layout, device=device)
     n_ref = min(tokens, REFERENCE_TOKENS)
-    ref = torch_sparse_mla(inputs["q"][:n_ref], inputs["kv_cache"], inputs["indices"][:n_ref],
+    # float64 q: the reference computes in float64 throughout, over the rows as the cache holds them.
+    ref = torch_sparse_mla(inputs["q"][:n_ref].double(), inputs["kv_cache"], inputs["indices"][:n_ref],
                            sm_scale=inputs["sm_scale"], kv_layout=inputs["kv_layout"])
     out = torch.empty(tokens, heads, layout.KV_LORA_RANK, dtype=torch.bfloat16, device=device)
     row: dict[str, Any] = dict(num_tokens=tokens, num_heads=heads, topk=TOPK, kv_layout=kv_layout,
@@ -186,7 +191,7 @@ def _shape_row(tokens: int, heads: int, device: str, family: str, sm90: bool, ce
     for kernel in TRITON_KERNELS:
         per_config: dict[str, Any] = {}
         for label, cfg in candidate_configs(kernel, tokens, heads, TOPK, family).items():
-            entry: dict[str, Any] = dict(config=_config_dict(cfg), tolerance=_tolerance(kernel),
+            entry: dict[str, Any] = dict(config=_config_dict(cfg), bound=_bound(kernel),
                                          traffic=plan.traffic(cfg, tokens, heads, TOPK, kv_layout=kv_layout).as_dict())
             if kernel == plan.FAST.name and sm90:
                 entry["note"] = SM90_FAST_NOTE

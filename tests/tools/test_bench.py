@@ -49,7 +49,9 @@ def test_gpu_quick_report(tmp_path):
         for kernel in bench.TRITON_KERNELS:
             for label, entry in row["kernels"][kernel].items():
                 assert "error" not in entry, (kernel, label, entry)
-                assert entry["graph_us"] > 0 and entry["max_rel_diff"] < entry["tolerance"], (kernel, label, entry)
+                bound = entry["bound"]
+                assert entry["graph_us"] > 0 and entry["max_rel_diff"] <= bound["max_rel"], (kernel, label, entry)
+                assert entry["cos_diff"] <= bound["cos_diff"] and entry["rel_rms"] <= bound["rel_rms"], entry
                 assert entry["traffic"]["total"] >= entry["traffic"]["minimum"]
                 assert ("note" in entry) == (kernel == plan.FAST.name and report["capability"].startswith("9."))
     pytest.importorskip("matplotlib")
