@@ -64,8 +64,9 @@ Occupancy. 8 warps of 128 registers, no spills, under Triton's bundled ptxas and
 (:mod:`~mla_sm120_plugin.tools.compile_gate` gates both); 55.5 KB of shared memory (49.5 KB
 rope-less): the q pair (16 KB), one step of key and value tiles in flight (32 KB), the rope.
 That is one CTA per SM on sm_120a/121a (two need <= 49 KB a CTA); the single-e4m3 kernel fit two.
-Each program keeps 32 KB of rows in flight, several times what one SM needs to cover DRAM latency
-at its share of the bandwidth, and the launch plan fills the SMs with splits at one CTA each
+Each program keeps the next step's rows in flight (16 KB of cache bytes, copied as key and value
+tiles), more than twice what one SM needs to cover DRAM latency at its share of the bandwidth (an
+RTX 5090: 1.8 TB/s x ~600 ns / 170 SMs ~ 6 KB), and the launch plan fills the SMs with splits at one CTA each
 (:data:`~mla_sm120_plugin.kernels.dsa.triton_plan.FAST`). Tried and measured on the way (sm_120a,
 Triton 3.8): rebuilding q's ``lo`` every step (50.2 KB, but 174-190 registers), not pipelining the
 value or key tiles (43-52 KB, 129-186 registers or spills), 4 warps (255 registers, spills),
