@@ -46,7 +46,8 @@ def test_impl_self_checks_inside_vllms_construction_context(tmp_path, tp1):
         impl = make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype="fp8_ds_mla", load_device="meta")
     (line,) = [m for m in messages if m.startswith("mla_sm120: self-check:")]
     for phase in (DECODE, PREFILL):
-        assert f"{phase}={impl._kernels[phase].name} ok (max error" in line, line
+        assert f"{phase}={impl._kernels[phase].name} ok (cos_diff " in line, line
+    assert line.count("bound cos_diff <= 5e-06, relRMS <= 0.30%") == 2, line  # both phases at exact class
     assert impl._kernels[DECODE].name == (TRITON_FAST if not ON_GPU else impl.decision.decode)
     assert torch.get_default_dtype() == torch.float32  # the check restored what it changed
 
