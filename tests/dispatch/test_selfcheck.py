@@ -161,19 +161,16 @@ from mla_sm120_plugin.dispatch.catalog import TRITON_FAST  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf  # noqa: E402
 
 
+_TILE_VALUES = tf._tile_values  # the kernel's own, called by the faults with one argument wrong
+
+
 @triton.jit
 def _values_with_one_tile_scales_reversed(acc, alpha, p, p_inv, p_e8, p_lo_e8, kv_lat, row_off, valid, cols, scale,
                                           ones_v):
     """Latent tile 1's value scales applied to the step's candidates in reverse order (a transposed
     scale tile), the other tiles right."""
-    flipped = tl.flip(scale, 0)
-    scale = tl.where(tl.min(cols, axis=0) == 128, flipped, scale)
-    x = (p * scale[None, :]) * p_inv[:, None]
-    hi = tf._round_e4m3(x)
-    lo = tf._round_e4m3((x - hi) * tf._P_LO_FACTOR)
-    v = tl.load(kv_lat + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-    acc = tl.dot_scaled(hi.to(tl.float8e4nv), p_e8, "e4m3", v, ones_v, "e4m3", acc=acc * alpha[:, None])
-    return tl.dot_scaled(lo.to(tl.float8e4nv), p_lo_e8, "e4m3", v, ones_v, "e4m3", acc=acc)
+    scale = tl.where(tl.min(cols, axis=0) == 128, tl.flip(scale, 0), scale)
+    return _TILE_VALUES(acc, alpha, p, p_inv, p_e8, p_lo_e8, kv_lat, row_off, valid, cols, scale, ones_v)
 
 
 @triton.jit
@@ -183,12 +180,7 @@ def _values_with_p_exponent_off_by_one_in_a_ragged_step(acc, alpha, p, p_inv, p_
     p scale is one binade above the one p was quantized under."""
     ragged = tl.sum(valid.to(tl.int32), axis=0) < valid.shape[0]
     p_e8 = tl.where(ragged, p_e8 + 1, p_e8)
-    x = (p * scale[None, :]) * p_inv[:, None]
-    hi = tf._round_e4m3(x)
-    lo = tf._round_e4m3((x - hi) * tf._P_LO_FACTOR)
-    v = tl.load(kv_lat + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-    acc = tl.dot_scaled(hi.to(tl.float8e4nv), p_e8, "e4m3", v, ones_v, "e4m3", acc=acc * alpha[:, None])
-    return tl.dot_scaled(lo.to(tl.float8e4nv), p_lo_e8, "e4m3", v, ones_v, "e4m3", acc=acc)
+    return _TILE_VALUES(acc, alpha, p, p_inv, p_e8, p_lo_e8, kv_lat, row_off, valid, cols, scale, ones_v)
 
 
 @triton.jit
