@@ -16,6 +16,7 @@ from typing import Any
 from .engines import ENGINES
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
+from .kernels.accuracy import EXACT_BAR
 from .kernels.dsa.layout import LAYOUTS, SCALE_FORMATS
 from .types import (
     AUTO,
@@ -84,7 +85,7 @@ def envelope_reasons(
         reasons.append(f"{phase} may see {seen}, kernel takes <= {spec.max_tokens}")
     if ctx.precision == EXACT and spec.precision != EXACT:
         reasons.append(f"computes with a single fp8 q and probability (precision {spec.precision}: a few % relRMS); "
-                       f"the config asks precision={EXACT} (cos_diff <= 5e-06, relRMS <= 0.30 % against float64)")
+                       f"the config asks precision={EXACT} ({EXACT_BAR} against float64)")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
         reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
                        f"({ENGINES[ctx.engine].eager_flag} allows it)")
@@ -394,7 +395,7 @@ def explain(decision: Decision) -> str:
         _capacity_line(ctx),
         f"precision  {ctx.precision} ("
         + ("single-fp8 q/p kernels allowed" if ctx.precision != EXACT
-           else "exact-class kernels only: cos_diff <= 5e-06, relRMS <= 0.30 %") + ")",
+           else f"exact-class kernels only: {EXACT_BAR}") + ")",
         f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
         f"index_topk {ctx.index_topk}",
         f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
-from .kernels.accuracy import AccuracyBound
+from .kernels.accuracy import EXACT_BAR, AccuracyBound
 from .kernels.dsa.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
 
 PREFILL = "prefill"
@@ -307,7 +307,7 @@ class KernelSpec:
         if self.accuracy is not None and self.precision == EXACT and not self.accuracy.exact_class:
             raise PluginError(format_error(
                 f"{owner}: precision='exact' with accuracy {self.accuracy.summary()}",
-                "an exact kernel's bound within cos_diff <= 5e-06 and relRMS <= 0.30 %",
+                f"an exact kernel's bound within {EXACT_BAR}",
                 "say precision='fast', or state the exact-class bound the kernel meets"))
 
 

@@ -13,7 +13,7 @@ from typing import Iterator
 from ..hooks.specs import hookimpl
 from ..types import DECODE, EXACT, FAST, PREFILL, DeviceInfo, KernelSpec, ModelProfile, SelectionContext
 from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
-from ..kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, AccuracyBound
+from ..kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound
 from ..kernels.dsa.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
 
 FLASHINFER = "flashinfer_sparse_mla"
@@ -29,9 +29,6 @@ BUILTIN_KERNELS = (FLASHINFER, TRITON_FAST, TRITON, TORCH)
 # per-tile scale costs ~100 %.
 FP8_QP_TOLERANCE = 0.15
 FP8_QP_ACCURACY = AccuracyBound(cos_diff=3e-3, rel_rms=8e-2, max_rel=FP8_QP_TOLERANCE)
-# The exact-class kernels (bf16 operands, or fp8 hi + lo pairs): FlashMLA's bar in cos_diff and
-# relRMS; the worst element within 1 % of the largest (a bf16 output alone is 0.2-0.5 % there).
-EXACT_ACCURACY = AccuracyBound(cos_diff=EXACT_COS_DIFF, rel_rms=EXACT_REL_RMS, max_rel=1e-2)
 
 # SM families the Triton kernel is written for: mma.sync-class tensor cores (SM80+) and no
 # reliance on wgmma/tcgen05, which SM12x lacks.
@@ -134,8 +131,8 @@ TRITON_FAST_SPEC = KernelSpec(
     # q and the probabilities as e4m3 hi + lo pairs: exact class (triton_fast.ACCURACY, the same bound;
     # that module imports torch).
     precision=EXACT,
-    tolerance=EXACT_ACCURACY.max_rel,
-    accuracy=EXACT_ACCURACY,
+    tolerance=EXACT_CLASS_BOUND.max_rel,
+    accuracy=EXACT_CLASS_BOUND,
 )
 
 TRITON_SPEC = KernelSpec(
@@ -155,8 +152,8 @@ TRITON_SPEC = KernelSpec(
     # operands to bf16 as a GPU does): cos_diff <= 3e-6, relRMS <= 0.24 %. The same for nvfp4_ds_mla:
     # its dequantized keys and values (e2m1 x e4m3 block scale, <= 5 significant bits; e4m3 rope) are
     # exact in bf16, so only q and the probabilities round, as for the other layouts.
-    tolerance=EXACT_ACCURACY.max_rel,
-    accuracy=EXACT_ACCURACY,
+    tolerance=EXACT_CLASS_BOUND.max_rel,
+    accuracy=EXACT_CLASS_BOUND,
 )
 
 TORCH_SPEC = KernelSpec(
@@ -173,8 +170,8 @@ TORCH_SPEC = KernelSpec(
     # The ground truth itself, in fp32: what its self-check sees is the rounding of a bf16 output
     # (<= 2**-8 of the magnitude, relRMS ~0.16 %) and fp32 summation order; it proves that it runs
     # on this device.
-    tolerance=EXACT_ACCURACY.max_rel,
-    accuracy=EXACT_ACCURACY,
+    tolerance=EXACT_CLASS_BOUND.max_rel,
+    accuracy=EXACT_CLASS_BOUND,
 )
 
 

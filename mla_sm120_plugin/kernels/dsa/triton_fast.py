@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, AccuracyBound
+from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton as exact
 from mla_sm120_plugin.kernels.dsa import triton_plan as plan
@@ -93,7 +93,7 @@ from mla_sm120_plugin.kernels.dsa.triton import _dot, _finalize, _row_offset, _s
 # in the flat, peaked, outlier-channel and few-candidate regimes on every fp8 layout; the bf16
 # output's own rounding is ~0.16 % of that. ``max_rel`` (the worst element against the largest) is
 # bounded loosely: with few candidates one element can carry a few bf16 steps.
-ACCURACY = AccuracyBound(cos_diff=EXACT_COS_DIFF, rel_rms=EXACT_REL_RMS, max_rel=1e-2)
+ACCURACY = EXACT_CLASS_BOUND
 # The same bound's max_rel, as the fraction of the largest |reference| the older tests and
 # dispatch.catalog's KernelSpec.tolerance read.
 TOLERANCE = ACCURACY.max_rel
