@@ -211,8 +211,7 @@ import triton.language as tl  # noqa: E402
 def _scale_codes_probe(q_ptr, p_bound_ptr, q_codes_ptr, p_codes_ptr):
     heads = tl.arange(0, 16)
     cols = tl.arange(0, 128)
-    _, q_e8, e_hi, e_lo = tf._quantize_q(q_ptr, 0, heads, heads < 16, 128, cols, 16)
-    _, lo_e8 = tf._q_lo(q_ptr, 0, heads, heads < 16, 128, cols, e_hi, e_lo, 16)
+    _, q_e8, _, lo_e8 = tf._split_q(q_ptr, 0, heads, heads < 16, 128, cols, 16)
     tl.store(q_codes_ptr + heads[:, None] * 8 + tl.arange(0, 4)[None, :], q_e8)
     tl.store(q_codes_ptr + heads[:, None] * 8 + 4 + tl.arange(0, 4)[None, :], lo_e8)
     sc = tl.full([32], 1.0, tl.float32)

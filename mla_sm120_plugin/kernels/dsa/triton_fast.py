@@ -154,37 +154,28 @@ def _pow2(e):
 
 
 @triton.jit
-def _load_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols):
-    """One 128-wide q tile as fp32 ([BLOCK_H, 128]); a padded head reads as zeros."""
-    return tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
-                   mask=h_mask[:, None], other=0.0).to(tl.float32)
+def _e4m3_part(x, BLOCK_H: tl.constexpr):
+    """``x`` ([BLOCK_H, 128] fp32) as e4m3 under a per-head power of two that brings its largest
+    value within e4m3's range: the e4m3 values, the rounded part in fp32, and the e8m0 block scales
+    ([BLOCK_H, 4] uint8). No scale code is 0 (the interpreter decodes an e8m0 byte 0 as 0, a GPU as
+    2**-127)."""
+    e = tl.maximum(_pow2_ceil_exponent(tl.maximum(tl.max(tl.abs(x), axis=1) * _INV_E4M3_MAX, _MIN_NORMAL)), 1)
+    part = _round_e4m3(x * _inverse_pow2(e)[:, None])
+    return (part.to(tl.float8e4nv), part * _pow2(e)[:, None],
+            tl.broadcast_to(e[:, None], [BLOCK_H, _TILE // _MX_BLOCK]).to(tl.uint8))
 
 
 @triton.jit
-def _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols, BLOCK_H: tl.constexpr):
-    """One 128-wide q tile split as an e4m3 pair ``q = hi * 2**(e_hi - 127) + lo * 2**(e_lo - 127)``,
-    once before the loop: ``hi`` ([BLOCK_H, 128] e4m3) with its per-head e8m0 block scales
-    ([BLOCK_H, 4] uint8), and the per-head biased exponents ``e_hi`` and ``e_lo`` ([BLOCK_H] int32)
-    from which :func:`_q_lo` makes the residual ``lo``. Each part keeps 4 significant
-    bits of what it holds: together about 8, bf16's precision, where ``hi`` alone has 4. No scale
-    code is 0 (the interpreter decodes an e8m0 byte 0 as 0, a GPU as 2**-127)."""
-    q = _load_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols)
-    e_hi = tl.maximum(_pow2_ceil_exponent(tl.maximum(tl.max(tl.abs(q), axis=1) * _INV_E4M3_MAX, _MIN_NORMAL)), 1)
-    hi = _round_e4m3(q * _inverse_pow2(e_hi)[:, None])
-    rest = q - hi * _pow2(e_hi)[:, None]  # exact: q is bf16, hi an e4m3 value of q's magnitude
-    e_lo = tl.maximum(_pow2_ceil_exponent(tl.maximum(tl.max(tl.abs(rest), axis=1) * _INV_E4M3_MAX, _MIN_NORMAL)), 1)
-    return (hi.to(tl.float8e4nv), tl.broadcast_to(e_hi[:, None], [BLOCK_H, _TILE // _MX_BLOCK]).to(tl.uint8),
-            e_hi, e_lo)
-
-
-@triton.jit
-def _q_lo(q_ptr, q_row, heads, h_mask, q_stride_h, cols, e_hi, e_lo, BLOCK_H: tl.constexpr):
-    """The residual part of a q tile (:func:`_quantize_q`): ``lo`` ([BLOCK_H, 128] e4m3) and its
-    e8m0 block scales ([BLOCK_H, 4] uint8), rebuilt from q, ``e_hi`` and ``e_lo``."""
-    q = _load_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols)
-    hi = _round_e4m3(q * _inverse_pow2(e_hi)[:, None])
-    lo = _round_e4m3((q - hi * _pow2(e_hi)[:, None]) * _inverse_pow2(e_lo)[:, None])
-    return lo.to(tl.float8e4nv), tl.broadcast_to(e_lo[:, None], [BLOCK_H, _TILE // _MX_BLOCK]).to(tl.uint8)
+def _split_q(q_ptr, q_row, heads, h_mask, q_stride_h, cols, BLOCK_H: tl.constexpr):
+    """One 128-wide q tile as an e4m3 pair, once before the loop: ``hi`` (q rounded) and ``lo``
+    (the residual ``q - hi``, exact in fp32 since q is bf16, rounded under its own scale), each
+    [BLOCK_H, 128] e4m3 with its e8m0 block scales ([BLOCK_H, 4] uint8); a padded head is zeros.
+    Each part keeps 4 significant bits of what it holds: together about 8, bf16's precision."""
+    q = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
+                mask=h_mask[:, None], other=0.0).to(tl.float32)
+    hi, hi_value, hi_e8 = _e4m3_part(q, BLOCK_H)
+    lo, _, lo_e8 = _e4m3_part(q - hi_value, BLOCK_H)
+    return hi, hi_e8, lo, lo_e8
 
 
 @triton.jit
@@ -264,14 +255,10 @@ def _fast_kernel(
         length = tl.minimum(tl.load(topk_len_ptr + tok * topk_len_stride), topk)
 
     # q is split once; Triton keeps the eight e4m3 tiles in shared memory across the loop.
-    q0, qe0, eh0, el0 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col, BLOCK_H)
-    r0, re0 = _q_lo(q_ptr, q_row, heads, h_mask, q_stride_h, col, eh0, el0, BLOCK_H)
-    q1, qe1, eh1, el1 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE, BLOCK_H)
-    r1, re1 = _q_lo(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE, eh1, el1, BLOCK_H)
-    q2, qe2, eh2, el2 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE, BLOCK_H)
-    r2, re2 = _q_lo(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE, eh2, el2, BLOCK_H)
-    q3, qe3, eh3, el3 = _quantize_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE, BLOCK_H)
-    r3, re3 = _q_lo(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE, eh3, el3, BLOCK_H)
+    q0, qe0, r0, re0 = _split_q(q_ptr, q_row, heads, h_mask, q_stride_h, col, BLOCK_H)
+    q1, qe1, r1, re1 = _split_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + _TILE, BLOCK_H)
+    q2, qe2, r2, re2 = _split_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 2 * _TILE, BLOCK_H)
+    q3, qe3, r3, re3 = _split_q(q_ptr, q_row, heads, h_mask, q_stride_h, col + 3 * _TILE, BLOCK_H)
     if ROPE > 0:
         rope_col = tl.arange(0, ROPE)
         q_rope = tl.load(q_ptr + q_row + heads[:, None].to(tl.int64) * q_stride_h + (rope_col + _NOPE)[None, :],
