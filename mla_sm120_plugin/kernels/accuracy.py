@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mla_sm120_plugin.errors import KernelInputError, PluginError, format_error
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,7 +50,7 @@ class Accuracy:
 @dataclass(frozen=True)
 class AccuracyBound:
     """What a kernel promises against float64 over the dequantized rows (:class:`Accuracy`'s
-    metrics). Validates itself: each bound is a finite number > 0."""
+    metrics). Validates itself: each bound is a finite number > 0 (else :class:`PluginError`)."""
 
     cos_diff: float
     rel_rms: float
@@ -58,7 +60,9 @@ class AccuracyBound:
         for name in ("cos_diff", "rel_rms", "max_rel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"AccuracyBound.{name}={value!r}: a finite number > 0")
+                raise PluginError(format_error(f"AccuracyBound.{name}={value!r}", "a finite number > 0",
+                                               f"state the {name} the kernel meets against float64 (exact class: "
+                                               f"cos_diff {EXACT_COS_DIFF:.0e}, rel_rms {EXACT_REL_RMS:g})"))
 
     @property
     def exact_class(self) -> bool:
@@ -94,7 +98,9 @@ def measure(out: "torch.Tensor", ref: "torch.Tensor") -> Accuracy:
     a = out.detach().to(device="cpu", dtype=_float64())
     b = ref.detach().to(device="cpu", dtype=_float64())
     if a.shape != b.shape:
-        raise ValueError(f"measure: out {tuple(a.shape)} and ref {tuple(b.shape)} differ in shape")
+        raise KernelInputError(format_error(f"measure(out {tuple(a.shape)}, ref {tuple(b.shape)})",
+                                            "out and ref of the same shape (e.g. [T, H, 512] both)",
+                                            "compare the kernel's output with a reference of the same call"))
     if not bool(a.isfinite().all()):
         return Accuracy(math.inf, math.inf, math.inf)
     diff = a - b

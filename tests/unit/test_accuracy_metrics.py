@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+from helpers import assert_three_parts
 
+from mla_sm120_plugin.errors import KernelInputError, PluginError
 from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, Accuracy, AccuracyBound, measure
 
 
@@ -38,8 +40,10 @@ def test_non_finite_output_and_all_zero_references():
 
 
 def test_shapes_must_match():
-    with pytest.raises(ValueError, match=r"out \(2, 3\) and ref \(3, 2\) differ in shape"):
+    with pytest.raises(KernelInputError) as err:
         measure(torch.zeros(2, 3), torch.zeros(3, 2))
+    assert_three_parts(str(err.value))
+    assert "given: measure(out (2, 3), ref (3, 2))" in str(err.value)
 
 
 def test_a_bound_names_each_metric_over_it():
@@ -55,5 +59,6 @@ def test_a_bound_names_each_metric_over_it():
 
 @pytest.mark.parametrize("value", [0, -1e-3, math.inf, math.nan, True, "1e-3", None])
 def test_a_bound_validates_itself(value):
-    with pytest.raises(ValueError, match=r"AccuracyBound\.rel_rms=.*a finite number > 0"):
+    with pytest.raises(PluginError, match=r"given: AccuracyBound\.rel_rms=.*\nsupported: a finite number > 0") as err:
         AccuracyBound(cos_diff=1e-6, rel_rms=value, max_rel=1e-2)
+    assert_three_parts(str(err.value))
