@@ -1,0 +1,7 @@
+"""DeepSeek-V4 attention kernels: two paged caches in one call (a sliding window and a compressed
+cache, each with its own slots, lengths and page size), a learned sink logit per head, q = K = V =
+the whole 512-wide row.
+
+The record, to the byte, is :mod:`.layout`; packing and dequantization :mod:`.pack`; the torch
+reference :mod:`.reference`. Importing this package imports neither torch nor triton.
+"""

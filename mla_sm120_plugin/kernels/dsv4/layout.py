@@ -1,0 +1,114 @@
+"""DeepSeek-V4's 584-byte fp8 KV record on SM12x, described to the byte once.
+
+Every DeepSeek-V4 attention layer (V4-Flash, V4-Pro, V4.1-Flash and their drafts) caches one
+512-wide row a token (or a compressed entry): 448 NoPE values and 64 RoPE values, and q, K and V
+are that whole row. On SM12x both engines store it as the same 584-byte record (vLLM calls the
+cache ``fp8_ds_mla``, SGLang ``fp8_e4m3``; the plugin calls it :data:`FP8_DSV4`), in
+**page-major** order: a page of ``P`` entries is ::
+
+    [0, P * 576)               P data rows, 576 bytes each:
+                                 [  0, 448)  448 NoPE values as float8_e4m3fn (OCP)
+                                 [448, 576)  64 RoPE values as bfloat16 (already rotated, unscaled)
+    [P * 576, P * 576 + P * 8) P scale rows, 8 bytes each:
+                                 [0, 7)      7 UE8M0 exponents, one per 64 NoPE values:
+                                             value = fp8 * 2 ** (byte - 127)
+                                 [7]         pad, written 0, never read
+    [P * 584, page_stride)     padding: the page is rounded up to a multiple of 576 bytes
+
+so an entry's address depends on the page size: slot ``s`` (``page * P + row``, the ids the
+engines hand the kernels) has its data at ``page * page_stride + row * 576`` and its scales at
+``page * page_stride + P * 576 + row * 8``. The page stride is the cache tensor's (an engine may
+place pages further apart than :func:`page_bytes`).
+
+The writers (vLLM's ``quantize_and_insert_k_cache`` and its CUDA twin, SGLang's) store
+``e = ceil(log2(max(amax, 1e-4) / 448))`` per 64-value group and ``fp8(clamp(x / 2**e, +-448))``;
+an all-zero group stores byte 105 (``-22 + 127``).
+
+Pages: vLLM's V4 window cache 64 entries, its compressed caches 256 tokens a page (64 C4A entries,
+2 C128A entries); V4.1 on SM12x: window 32, compressed 128 tokens a page. SGLang: 256-token pages.
+
+Pure Python: the selection and the CLI read these numbers without torch. The torch code that packs
+and unpacks the bytes is :mod:`mla_sm120_plugin.kernels.dsv4.pack`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEAD_DIM = 512  # q, K and V width: the whole row
+ROPE_DIM = 64
+NOPE_DIM = HEAD_DIM - ROPE_DIM  # 448
+SCALE_GROUP = 64  # NoPE values one UE8M0 exponent covers
+NUM_SCALES = NOPE_DIM // SCALE_GROUP  # 7
+SCALE_ROW_BYTES = 8  # 7 exponents + 1 pad byte
+DATA_ROW_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
+TOKEN_BYTES = DATA_ROW_BYTES + SCALE_ROW_BYTES  # 584
+PAGE_ALIGN = 576  # a page's bytes are rounded up to a multiple of this
+E4M3_MAX = 448.0
+UE8M0_BIAS = 127
+AMAX_FLOOR = 1e-4  # the writers' floor on a group's amax: an all-zero group stores exponent -22
+
+FP8_DSV4 = "fp8_dsv4"
+
+
+@dataclass(frozen=True)
+class Dsv4Record:
+    """One DeepSeek-V4 cache record format (page-major: data rows, then scale rows).
+
+    :param name: the plugin's name for it.
+    :param token_bytes: bytes an entry takes in a page, before the page's padding.
+    :param data_bytes: bytes of an entry's data row (quantized NoPE then bf16 rope).
+    :param scale_bytes: bytes of an entry's scale row.
+    :param nope: NoPE values (quantized).
+    :param rope: RoPE values (bf16, after the NoPE bytes).
+    :param scale_group: NoPE values one scale covers.
+    :param page_align: a page's bytes are a multiple of this.
+    :param written_by: which engine and writer fills it.
+    """
+
+    name: str
+    token_bytes: int
+    data_bytes: int
+    scale_bytes: int
+    nope: int
+    rope: int
+    scale_group: int
+    page_align: int
+    written_by: str
+
+    @property
+    def head_dim(self) -> int:
+        """q, K and V width."""
+        return self.nope + self.rope
+
+    @property
+    def num_scales(self) -> int:
+        return self.nope // self.scale_group
+
+    def page_bytes(self, page_size: int) -> int:
+        """The least page stride for ``page_size`` entries (the engines' padded page)."""
+        raw = page_size * self.token_bytes
+        return -(-raw // self.page_align) * self.page_align
+
+    def data_offset(self, slot: int, page_size: int, page_stride: int) -> int:
+        """Byte offset of slot ``slot``'s data row in a cache of ``page_size``-entry pages."""
+        page, row = divmod(slot, page_size)
+        return page * page_stride + row * self.data_bytes
+
+    def scale_offset(self, slot: int, page_size: int, page_stride: int) -> int:
+        """Byte offset of slot ``slot``'s scale row."""
+        page, row = divmod(slot, page_size)
+        return page * page_stride + page_size * self.data_bytes + row * self.scale_bytes
+
+    def __post_init__(self) -> None:
+        if (self.data_bytes != self.nope + 2 * self.rope or self.token_bytes != self.data_bytes + self.scale_bytes
+                or self.nope % self.scale_group or self.scale_bytes < self.num_scales):
+            raise ValueError(f"Dsv4Record {self.name!r}: data {self.data_bytes}, scales {self.scale_bytes}, token "
+                             f"{self.token_bytes} bytes do not hold {self.nope} + {self.rope} values")
+
+
+FP8_RECORD = Dsv4Record(FP8_DSV4, TOKEN_BYTES, DATA_ROW_BYTES, SCALE_ROW_BYTES, NOPE_DIM, ROPE_DIM, SCALE_GROUP,
+                        PAGE_ALIGN, "vLLM's fused qnorm/rope/quant insert and its compressor (fp8_ds_mla); "
+                        "SGLang's DeepSeek-V4 pool (fp8_e4m3)")
+
+RECORDS: dict[str, Dsv4Record] = {FP8_RECORD.name: FP8_RECORD}
