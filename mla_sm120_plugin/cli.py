@@ -106,6 +106,13 @@ def _check(args: argparse.Namespace) -> int:
         cuda_graphs=not args.enforce_eager,
         engine=args.engine,
     )
+    if facts.dsv4 is not None:
+        from .dsv4_plan import explain_plan, plan, plan_to_dict
+
+        dsv4 = plan(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), args.kv_cache_dtype, limits,
+                    speculative_tokens=args.num_speculative_tokens, dspark=args.dspark, registry=reg)
+        _emit(_json(plan_to_dict(dsv4)) if args.json else explain_plan(dsv4))
+        return EXIT_OK
     kv_cache_dtype = args.kv_cache_dtype or ENGINES[args.engine].spelling(FP8_DS_MLA)
     ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), kv_cache_dtype, limits)
     decision = select(ctx, registry=reg)
@@ -226,6 +233,7 @@ def self_check_rows() -> list[dict[str, Any]]:
     from .dispatch import selfcheck
     from .dispatch.binding import bind
     from .kernels.dsa.layout import FP8_DS_MLA, SCALE_FORMATS
+    from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
     from .selection import probe_reasons
 
     on_gpu = torch.cuda.is_available()
@@ -235,6 +243,8 @@ def self_check_rows() -> list[dict[str, Any]]:
     for name, spec in get_registry().kernels.items():
         if probe_reasons(spec, dev):
             continue  # `doctor` already says why it cannot run here
+        if spec.kv_cache_dtypes & frozenset(DSV4_RECORDS):
+            continue  # DeepSeek-V4 kernels: planned only; the engines call them themselves
         for kv_layout in sorted(spec.kv_cache_dtypes):
             for scale_format in SCALE_FORMATS if kv_layout == FP8_DS_MLA else (SCALE_FORMATS[1],):
                 for phase in sorted(spec.phases):
@@ -431,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "<= 64 lets FlashInfer's decode kernel take few heads per GPU")
     check.add_argument("--max-prefill-tokens", type=_positive_int,
                        help="most tokens a prefill call sees (vLLM: max_num_batched_tokens)")
+    check.add_argument("--num-speculative-tokens", type=int, default=0,
+                       help="DeepSeek-V4: draft tokens a step (with --dspark, vLLM widens decode window rows)")
+    check.add_argument("--dspark", action="store_true", help="DeepSeek-V4: the draft model is DSpark")
     check.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (allows the torch reference for decode)")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=_check)

@@ -19,7 +19,7 @@ from . import engines as engines_mod
 from .errors import ConfigError, format_error
 from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
-from .types import AUTO, DeviceInfo, SelectionContext
+from .types import AUTO, DeviceInfo, Dsv4Call, SelectionContext
 
 ENGINES = tuple(engines_mod.ENGINES)
 
@@ -161,6 +161,8 @@ def context_from_json(text: str) -> SelectionContext:
         fields = json.loads(text)
         fields["device"] = DeviceInfo(**fields["device"])
         fields["features"] = frozenset(fields["features"])
+        if fields.get("dsv4") is not None:
+            fields["dsv4"] = Dsv4Call(**fields["dsv4"])
         return SelectionContext(**fields)
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(format_error(f"a serialized selection context that does not parse ({type(exc).__name__}: "

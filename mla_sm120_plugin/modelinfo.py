@@ -13,7 +13,7 @@ from typing import Any
 from . import files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
 from .hooks.manager import Registry
-from .types import ModelProfile
+from .types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
 
 # Bounds on what a config may claim; above them the value is a typo or a corrupted file, not a model.
 # The largest MLA models have 128 heads (DeepSeek-V3/V3.2; GLM-5 has 64): 1024 leaves 8x headroom.
@@ -36,6 +36,58 @@ MAX_KPOOL = 64
 GEOMETRY_KEYS = {"kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0, "v_head_dim": 1}
 
 
+# DeepSeek-V4 (FACTS §14). Layer types of transformers' DeepseekV4Config and the legacy per-layer
+# compress_ratios they map from; V4.1 keeps a flat per-layer compress_ratios of 0 / 1 / 2.
+DSV4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+DSV4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+DSV4_RATIOS = (0, 4, 128)
+DSV41_RATIOS = (0, 1, 2)
+DSV41_ARCHS = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
+MAX_LAYERS = 1024
+MAX_WINDOW = 1 << 16
+# Every DeepSeek-V4 attention row: q = K = V = 512 values, 64 of them rope.
+DSV4_HEAD_DIM = 512
+DSV4_ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class Dsv4Geometry:
+    """What a DeepSeek-V4 model's attention calls depend on, read from its config.
+
+    :param version: ``"v4"`` (V4-Flash, V4-Pro) or ``"v4.1"`` (V4.1-Flash).
+    :param ratios: compress ratio of each attention layer, the draft (MTP) layers last: 0 window
+        only; V4: 4 (C4A: the indexer's top-k of 4-token entries) or 128 (C128A: every 128-token
+        entry); V4.1: 1 or 2.
+    :param draft_layers: how many of ``ratios`` are draft (MTP) layers.
+    :param sliding_window: tokens of a layer's window.
+    :param o_groups: output-projection groups (each rank needs at least one).
+    :param head_dim: q/K/V width (512).
+    :param qk_rope_head_dim: the rope part of it (64).
+    :param vision_tokens: how far the vision variant widens prefill window rows (0: none).
+    :param max_model_len: the longest context (``max_position_embeddings``): bounds C128A's rows.
+    :param layers_known: ``ratios`` are the model's layers (False: a built-in profile that lists
+        each layer kind once, the model's own list being in its config.json only).
+    """
+
+    version: str
+    ratios: tuple[int, ...]
+    draft_layers: int
+    sliding_window: int
+    o_groups: int
+    head_dim: int = DSV4_HEAD_DIM
+    qk_rope_head_dim: int = DSV4_ROPE_DIM
+    vision_tokens: int = 0
+    max_model_len: int = 1 << 20
+    layers_known: bool = True
+
+    def layer_counts(self) -> dict[int, int]:
+        """Compress ratio -> how many layers have it, in first-seen order."""
+        counts: dict[int, int] = {}
+        for ratio in self.ratios:
+            counts[ratio] = counts.get(ratio, 0) + 1
+        return counts
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """:param arch: HF ``architectures[0]``. :param name: what the user called it.
@@ -47,7 +99,8 @@ class ModelFacts:
     :param qk_nope_head_dim: the non-rope q/k width per head (enters only the engine's projections
         and softmax scale; read and type-checked, not served on).
     :param v_head_dim: the value width per head (likewise).
-    :param index_kpool: indexer keys pooled per top-k pick (1: none)."""
+    :param index_kpool: indexer keys pooled per top-k pick (1: none).
+    :param dsv4: a DeepSeek-V4 model's layer geometry; None for a DSA model."""
 
     arch: str
     name: str
@@ -58,6 +111,7 @@ class ModelFacts:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     index_kpool: int = 1
+    dsv4: Dsv4Geometry | None = None
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -127,6 +181,98 @@ def _count(cfg: Any, key: str, bound: int, where: str, profile: ModelProfile | N
     return value
 
 
+def _int_list(cfg: Any, key: str, where: str, allowed: tuple[int, ...], fix: str) -> list[int] | None:
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return None
+    if (not isinstance(value, (list, tuple)) or not 0 < len(value) <= MAX_LAYERS
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v in allowed for v in value)):
+        raise _bad_value(where, key, value, f"a non-empty list (at most {MAX_LAYERS}) of ints from {list(allowed)}", fix)
+    return list(value)
+
+
+def _dsv4_ratios(cfg: Any, where: str, version: str, layers: int, draft: int) -> list[int]:
+    """Each attention layer's compress ratio (drafts last), the way the engines read them."""
+    if version == "v4.1":
+        # V4.1: one flat list over every layer, the draft's included (vLLM's DeepseekV41Config).
+        ratios = _int_list(cfg, "compress_ratios", where, DSV41_RATIOS,
+                           "set compress_ratios to the model's per-layer list (0 window, 1 or 2 compressed)")
+        if ratios is None:
+            raise ConfigError(format_error(f"{where}: a DeepSeek-V4.1 config without compress_ratios",
+                                           "a per-layer compress_ratios list (0 / 1 / 2), the draft layers included",
+                                           "point at the model's own config.json"))
+        return ratios
+    fix = "point at the model's own config.json, or correct layer_types / compress_rates in it"
+    rates = _get(cfg, "compress_rates")
+    if rates is _ABSENT:
+        rates = dict(DSV4_DEFAULT_RATES)
+    elif (not isinstance(rates, dict) or not set(rates) <= set(DSV4_DEFAULT_RATES)
+          or not all(isinstance(v, int) and not isinstance(v, bool) and v in DSV4_RATIOS[1:] for v in rates.values())):
+        raise _bad_value(where, "compress_rates", rates,
+                         f"a mapping of {sorted(DSV4_DEFAULT_RATES)} to {list(DSV4_RATIOS[1:])}", fix)
+    types = _get(cfg, "layer_types")
+    if types is _ABSENT:
+        legacy = _int_list(cfg, "compress_ratios", where, DSV4_RATIOS, fix)
+        if legacy is not None:
+            reverse = {ratio: name for name, ratio in DSV4_LAYER_TYPES.items()}
+            types = [reverse[r] for r in legacy]
+        else:  # transformers' default: two C128A layers, then C128A / C4A alternating
+            types = (["heavily_compressed_attention"] * min(layers, 2)
+                     + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                        for i in range(max(layers - 2, 0))])
+    elif (not isinstance(types, (list, tuple)) or not 0 < len(types) <= MAX_LAYERS
+          or not all(isinstance(t, str) and t in DSV4_LAYER_TYPES for t in types)):
+        raise _bad_value(where, "layer_types", types, f"a list of {list(DSV4_LAYER_TYPES)}", fix)
+    if len(types) < layers:
+        raise ConfigError(format_error(f"{where}: {len(types)} layer types for num_hidden_layers={layers}",
+                                       "one layer type (or compress ratio) per hidden layer", fix))
+    ratios = [0 if t == "sliding_attention" else rates.get(t, DSV4_DEFAULT_RATES[t]) for t in types[:layers]]
+    return ratios + [0] * draft  # draft (MTP) layers attend their window only
+
+
+def dsv4_geometry(cfg: Any, *, where: str, version: str) -> Dsv4Geometry:
+    """A DeepSeek-V4 config's layer geometry (:class:`Dsv4Geometry`), type- and range-checked.
+
+    V4 reads ``layer_types`` + ``compress_rates`` (or the legacy per-layer ``compress_ratios``,
+    or transformers' default pattern), V4.1 its flat ``compress_ratios``; both read
+    ``sliding_window``, ``o_groups``, ``head_dim`` (must be 512), ``qk_rope_head_dim`` (64) and
+    the vision variant's ``vision_max_n_token``.
+
+    :raises ConfigError: a key of the wrong type or range, or a layer list shorter than the layers.
+    """
+    layers = _count(cfg, "num_hidden_layers", MAX_LAYERS, where, None, "")
+    # Absent: transformers' default, one MTP layer.
+    draft = 1 if _get(cfg, "num_nextn_predict_layers") is _ABSENT else _count(
+        cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", least=0)
+    if layers == 0:
+        raise ConfigError(format_error(f"{where}: a DeepSeek-V4 config without num_hidden_layers",
+                                       "num_hidden_layers: the model's layer count", "point at the model's own config.json"))
+    ratios = _dsv4_ratios(cfg, where, version, layers, draft)
+    if version == "v4.1":
+        draft = max(len(ratios) - layers, 0)
+    head_dim = _count(cfg, "head_dim", MAX_HEAD_WIDTH, where, None, "") or DSV4_HEAD_DIM
+    rope = _get(cfg, "qk_rope_head_dim")
+    rope = DSV4_ROPE_DIM if rope is _ABSENT else _count(cfg, "qk_rope_head_dim", MAX_HEAD_WIDTH, where, None, "", 0)
+    vision = 0
+    if version == "v4" and (_count(cfg, "vision_n_layers", MAX_LAYERS, where, None, "", 0) or 0) > 0:
+        vision = _count(cfg, "vision_max_n_token", MAX_WINDOW, where, None, "", 0)
+    return Dsv4Geometry(
+        version=version, ratios=tuple(ratios), draft_layers=draft,
+        sliding_window=_count(cfg, "sliding_window", MAX_WINDOW, where, None, "") or 128,
+        o_groups=_count(cfg, "o_groups", MAX_HEADS, where, None, "") or 8,
+        head_dim=head_dim, qk_rope_head_dim=rope, vision_tokens=vision,
+        max_model_len=_count(cfg, "max_position_embeddings", MAX_INDEX_TOPK * 64, where, None, "") or (1 << 20),
+        layers_known=_get(cfg, LAYER_COUNTS_UNKNOWN) is _ABSENT,
+    )
+
+
+def _flat_text_config(cfg: Any) -> Any:
+    """V4.1's config nests the text model under ``text_config``; the engines read it flattened."""
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        return {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
+    return cfg
+
+
 def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str | None = None) -> ModelFacts:
     """Read arch, heads, index top-k and the MLA widths from a HF config dict or ``PretrainedConfig``.
 
@@ -140,12 +286,17 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     where = source or f"HF config of {name}"
     arch = _architectures(cfg, where)[0]
     profile = registry.by_arch.get(arch)
+    if profile is not None and profile.family == DSV4_FAMILY:
+        cfg = _flat_text_config(cfg)
     heads = _count(cfg, "num_attention_heads", MAX_HEADS, where, profile, "num_heads")
     topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, where, profile, "index_topk")
     geometry = {key: _count(cfg, key, MAX_HEAD_WIDTH, where, profile, key, least) for key, least in GEOMETRY_KEYS.items()}
     # Absent with no profile: no pooling (1), the same as every DSA model before GLM-5.3-Flash.
     kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1
-    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, **geometry)
+    dsv4 = None
+    if profile is not None and profile.family == DSV4_FAMILY:
+        dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if arch in DSV41_ARCHS else "v4")
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
@@ -169,7 +320,8 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
     if os.path.lexists(path) or (path != spec and profile is None):
         return _facts_from_file(spec, path, registry)
     if profile is None:
-        names = sorted({p.name for p in registry.profiles.values()} | {a for p in registry.profiles.values() for a in p.aliases})
+        names = sorted({p.name for p in registry.profiles.values()} | {a for p in registry.profiles.values() for a in p.aliases}
+                       | {n for p in registry.profiles.values() for n in p.model_configs if "/" not in n})
         raise ConfigError(
             format_error(
                 f"--model {files.short_repr(spec, limit=300)} is neither a profile name nor a path to a config.json",
@@ -177,6 +329,9 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
                 "pass a local model directory or a listed name",
             )
         )
+    if profile.model_configs:
+        cfg = profile.model_configs.get(spec.lower()) or next(iter(profile.model_configs.values()))
+        return facts_from_hf_config(dict(cfg), name=spec, registry=registry, source=f"the built-in config of {spec}")
     return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk,
                       kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim,
                       index_kpool=profile.index_kpool)

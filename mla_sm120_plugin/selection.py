@@ -18,9 +18,11 @@ from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
 from .kernels.accuracy import EXACT_BAR
 from .kernels.dsa.layout import LAYOUTS, SCALE_FORMATS
+from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 from .types import (
     AUTO,
     DECODE,
+    DSV4_FAMILY,
     EXACT,
     ENGINE_NATIVE_IMPLS,
     PHASES,
@@ -97,6 +99,12 @@ def envelope_reasons(
     return reasons
 
 
+def _same_family(spec: KernelSpec, ctx: SelectionContext) -> bool:
+    """``spec`` reads a cache of ``ctx``'s model family (DeepSeek-V4's records or the DSA layouts)."""
+    records = spec.kv_cache_dtypes & frozenset(DSV4_RECORDS)
+    return bool(records) if ctx.dsv4 is not None else spec.kv_cache_dtypes != records
+
+
 def _candidates(
     registry: Registry, ctx: SelectionContext, phase: str, profile: ModelProfile | None
 ) -> tuple[list[KernelSpec], dict[str, tuple[str, ...]], bool]:
@@ -105,6 +113,8 @@ def _candidates(
     rejected: dict[str, tuple[str, ...]] = {}
     probes_skipped = False
     for spec in sorted(registry.kernels.values(), key=lambda s: -s.priority):
+        if not _same_family(spec, ctx):
+            continue  # a DSA kernel is no candidate for a DeepSeek-V4 layer, nor the reverse
         reasons = envelope_reasons(spec, ctx, phase, profile)
         if not reasons:
             if ctx.device.is_planned:
@@ -158,6 +168,17 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
                 f"{ctx.describe()}: {ctx.model_arch} is not a DeepSeek-Sparse-Attention model this plugin serves",
                 f"model_arch in {archs}",
                 f"serve this model without {ENGINES[ctx.engine].enable_flag}, or install a plugin with a profile for it",
+            )
+        )
+    if (profile.family == DSV4_FAMILY) != (ctx.dsv4 is not None):
+        raise UnsupportedConfiguration(
+            format_error(
+                f"{ctx.describe()}: {ctx.model_arch} is a {profile.family} model (profile {profile.name}), decided "
+                f"{'per layer kind' if ctx.dsv4 is None else 'as one latent cache'}",
+                "DeepSeek-V4 models through mla_sm120_plugin.dsv4_plan (one context per layer kind), DSA models "
+                "through select() with no layer kind",
+                "plan DeepSeek-V4 models with mla-sm120 check (or dsv4_plan.plan); a third-party plugin that builds "
+                "contexts itself must set SelectionContext.dsv4 exactly for them",
             )
         )
     refusals = reg.validate(ctx, profile)
@@ -250,6 +271,8 @@ def _refusal_message(ctx: SelectionContext, refusals: list[tuple[str, Refusal]])
 def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
     parts = []
     for spec in sorted(reg.kernels.values(), key=lambda s: -s.priority):
+        if (profile.family == DSV4_FAMILY) != bool(spec.kv_cache_dtypes & frozenset(DSV4_RECORDS)):
+            continue
         dev = "/".join(sorted(spec.vendors))
         if spec.sm_families is not None:
             dev += " SM" + "/".join(f"{f}x" for f in sorted(spec.sm_families))

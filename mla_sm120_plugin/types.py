@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Mapping
 from .errors import PluginError, format_error
 from .kernels.accuracy import EXACT_BAR, AccuracyBound
 from .kernels.dsa.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
+from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -47,11 +48,21 @@ ENGINE_NATIVE_IMPLS = (
 
 VENDORS = ("nvidia", "amd", "cpu")
 
+# Model families: DSA (one latent cache; the kernels of kernels/dsa) and DeepSeek-V4 (two caches and
+# sinks a layer; kernels/dsv4).
+DSA_FAMILY = "dsa"
+DSV4_FAMILY = "dsv4"
+MODEL_FAMILIES = (DSA_FAMILY, DSV4_FAMILY)
+# A key no config.json has: a built-in model config (ModelProfile.model_configs) that lists each
+# layer kind once because the model's per-layer list is in its own config.json only.
+LAYER_COUNTS_UNKNOWN = "_mla_sm120_layer_counts_unknown"
+
 # Where a device comes from when it is the one the decision runs on: found on this machine, or
 # reported by the engine that is starting. Any other source (--sm, MLA_SM120_DEVICE) plans ahead.
 PRESENT_SOURCES = ("detected", "vllm", "sglang")
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_.\-]*$")
+_CONFIG_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]*(/[a-z0-9][a-z0-9_.\-]*)?$")  # a name or an HF repo id
 
 
 def _frozenset_of_str(value: object, what: str, owner: str) -> frozenset[str]:
@@ -155,6 +166,13 @@ class ModelProfile:
         picks to token slots plus a tail, so the ids a kernel gets are wider than ``index_topk``.
     :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
     :param aliases: other names the CLI accepts (HF repo ids).
+    :param family: ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)
+        or ``"dsv4"`` (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks;
+        planned per layer kind by :mod:`mla_sm120_plugin.dsv4_plan`).
+    :param model_configs: named model configs (``"deepseek-v4-pro"`` -> the config.json keys that
+        differ from the architecture's defaults) that the CLI accepts as ``--model``: several models
+        can share one architecture (V4-Flash and V4-Pro), and each is read by the same config reader
+        as a config.json on disk.
     """
 
     name: str
@@ -167,9 +185,21 @@ class ModelProfile:
     qk_rope_head_dim: int = 64
     aliases: tuple[str, ...] = ()
     index_kpool: int = 1
+    family: str = DSA_FAMILY
+    model_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         owner = f"ModelProfile({self.name!r})"
+        if self.family not in MODEL_FAMILIES:
+            raise PluginError(format_error(f"{owner}.family={self.family!r}", f"one of {list(MODEL_FAMILIES)}",
+                                           "say 'dsa' for a one-cache sparse-MLA model, 'dsv4' for DeepSeek-V4"))
+        bad = (["<not a mapping>"] if not isinstance(self.model_configs, Mapping) else
+               [repr(k) for k, v in self.model_configs.items()
+                if not (isinstance(k, str) and _CONFIG_NAME_RE.match(k) and isinstance(v, Mapping))])
+        if bad:
+            raise PluginError(format_error(f"{owner}.model_configs entries {', '.join(bad[:5])}",
+                                           "lower-case names (HF repo ids allowed) -> config.json-like mappings",
+                                           "fix model_configs"))
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise PluginError(
                 format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the profile")
@@ -268,7 +298,8 @@ class KernelSpec:
             raise PluginError(
                 format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the kernel")
             )
-        for attr, allowed in (("phases", PHASES), ("kv_cache_dtypes", KV_LAYOUTS), ("vendors", VENDORS)):
+        for attr, allowed in (("phases", PHASES), ("kv_cache_dtypes", KV_LAYOUTS + tuple(DSV4_RECORDS)),
+                              ("vendors", VENDORS)):
             items = _frozenset_of_str(getattr(self, attr), attr, owner)
             unknown = sorted(items - set(allowed))
             if unknown or not items:
@@ -312,6 +343,48 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class Dsv4Call:
+    """One DeepSeek-V4 layer kind's attention call as the engine makes it: a window cache and, for a
+    compressed layer, a compressed cache, in one call (each with its own slots, lengths and pages).
+
+    :param kind: ``"window"`` (the sliding window only) or ``"c<ratio>a"`` (the window and the
+        compressed cache: ``c4a`` with the indexer's top-k, ``c128a`` with every entry; V4.1's
+        ``c1a`` / ``c2a``).
+    :param compress_ratio: tokens a compressed entry stands for (0: no compressed cache).
+    :param layers: how many of the model's layers (drafts' included) are of this kind.
+    :param window: window slots a decode query row holds (the window, or DSpark's wider one).
+    :param prefill_window: window slots a prefill row holds (the vision variant's are wider).
+    :param window_page: entries a window-cache page holds.
+    :param extra: compressed slots a query row holds (0 without a compressed cache).
+    :param extra_page: entries a compressed-cache page holds (0 without one).
+    :param decode_heads: q heads a decode call carries (the engine pads the rank's heads).
+    :param prefill_heads: q heads a prefill call carries.
+    """
+
+    kind: str
+    compress_ratio: int
+    layers: int
+    window: int
+    prefill_window: int
+    window_page: int
+    extra: int
+    extra_page: int
+    decode_heads: int
+    prefill_heads: int
+
+    def heads_for(self, phase: str) -> int:
+        return self.prefill_heads if phase == PREFILL else self.decode_heads
+
+    def window_for(self, phase: str) -> int:
+        return self.prefill_window if phase == PREFILL else self.window
+
+    def describe(self, phase: str) -> str:
+        extra = f", compressed {self.extra} slots (pages of {self.extra_page})" if self.extra else ""
+        return (f"{self.kind} {phase}: {self.heads_for(phase)} q heads, window {self.window_for(phase)} slots "
+                f"(pages of {self.window_page}){extra}")
+
+
+@dataclass(frozen=True)
 class SelectionContext:
     """Everything the constraint matrix decides on, for one model on one device.
 
@@ -341,6 +414,8 @@ class SelectionContext:
     :param qk_rope_head_dim: the model's RoPE width (its config's ``qk_rope_head_dim``).
     :param precision: ``"fast"`` (every kernel may serve, fp8 MMAs included) or ``"exact"`` (only
         kernels that keep bf16/fp32 operands).
+    :param dsv4: for a DeepSeek-V4 model, the layer kind's call decided for (one context per layer
+        kind; :mod:`mla_sm120_plugin.dsv4_plan`); None for a DSA model.
     """
 
     model_arch: str
@@ -363,6 +438,7 @@ class SelectionContext:
     kv_lora_rank: int = KV_LORA_RANK
     qk_rope_head_dim: int = ROPE_DIM
     precision: str = FAST
+    dsv4: Dsv4Call | None = None
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
@@ -374,8 +450,9 @@ class SelectionContext:
         """The combination, as every selection error names it (the KV dtype as the user spelled it)."""
         given = self.kv_cache_dtype_given
         kv = self.kv_cache_dtype if given in (None, self.kv_cache_dtype) else f"{given} ({self.kv_cache_dtype} layout)"
+        layer = f", layer kind {self.dsv4.kind}" if self.dsv4 is not None else ""
         return (
-            f"model_arch={self.model_arch}, sm={self.device.sm}, kv_cache_dtype={kv}, "
+            f"model_arch={self.model_arch}{layer}, sm={self.device.sm}, kv_cache_dtype={kv}, "
             f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size}), index_topk={self.index_topk}, "
             f"prefill_impl={self.prefill_kernel}, decode_impl={self.decode_kernel}"
         )

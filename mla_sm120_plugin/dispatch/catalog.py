@@ -15,12 +15,14 @@ from ..types import DECODE, EXACT, FAST, PREFILL, DeviceInfo, KernelSpec, ModelP
 from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
 from ..kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound
 from ..kernels.dsa.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
+from ..kernels.dsv4.layout import FP8_DSV4
 
 FLASHINFER = "flashinfer_sparse_mla"
+FLASHINFER_DSV4 = "flashinfer_dsv4_sm120"
 TRITON_FAST = "triton_sparse_mla_fast"
 TRITON = "triton_sparse_mla"
 TORCH = "torch_sparse_mla"
-BUILTIN_KERNELS = (FLASHINFER, TRITON_FAST, TRITON, TORCH)
+BUILTIN_KERNELS = (FLASHINFER, TRITON_FAST, TRITON, TORCH, FLASHINFER_DSV4)
 
 # A kernel that rounds q and the probabilities to a single fp8 e4m3 each for fp8 MMAs (FlashInfer's
 # SM120 kernels) differs from float64 by the format's own error: 3.0-4.9 % relRMS, cos_diff
@@ -175,9 +177,44 @@ TORCH_SPEC = KernelSpec(
 )
 
 
+def _flashinfer_dsv4_envelope(ctx: SelectionContext, phase: str, profile: ModelProfile | None) -> list[str]:
+    from . import flashinfer_dsv4
+
+    return flashinfer_dsv4.envelope_reasons(ctx, phase)
+
+
+def _flashinfer_dsv4_probe(device: DeviceInfo) -> tuple[str, ...]:
+    from . import flashinfer_dsv4
+
+    return flashinfer_dsv4.probe(device)
+
+
+FLASHINFER_DSV4_SPEC = KernelSpec(
+    name=FLASHINFER_DSV4,
+    phases=frozenset({PREFILL, DECODE}),
+    kv_cache_dtypes=frozenset({FP8_DSV4}),
+    vendors=frozenset({"nvidia"}),
+    sm_families=frozenset({12}),
+    priority=300,
+    # The engines call it themselves; the plugin plans it (no binding of its own yet).
+    entry="flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4",
+    probe=_flashinfer_dsv4_probe,
+    envelope=_flashinfer_dsv4_envelope,
+    envelope_note=_flashinfer_table_note,
+    graph_safe=True,
+    description="FlashInfer's SM120/SM121 DeepSeek-V4 kernels (window + compressed cache, sinks; JIT-built)",
+    # Its prefill form multiplies a bf16 q with fp8 probabilities (QkBF16PvFP8); its decode numerics
+    # are not measured here (no SM12x GPU): it is not claimed exact. The DSA kernels' fp8 q/p bound.
+    precision=FAST,
+    tolerance=FP8_QP_TOLERANCE,
+    accuracy=FP8_QP_ACCURACY,
+)
+
+
 @hookimpl
 def mla_sm120_kernels() -> Iterator[KernelSpec]:
     yield FLASHINFER_SPEC
     yield TRITON_FAST_SPEC
     yield TRITON_SPEC
     yield TORCH_SPEC
+    yield FLASHINFER_DSV4_SPEC

@@ -1,4 +1,5 @@
-"""Built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2 and the rope-less GLM-5.3-Flash.
+"""Built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash and the
+DeepSeek-V4 family (V4-Flash, V4-Pro, V4.1-Flash and their drafts).
 
 Registered through the same hook as a third party's profiles.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..kernels.dsa.layout import SCALE_ARBITRARY, SCALE_POW2
-from ..types import ModelProfile
+from ..types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
 from .specs import hookimpl
 
 GLM_DSA = ModelProfile(
@@ -50,8 +51,59 @@ GLM53_FLASH = ModelProfile(
 )
 
 
+# DeepSeek-V4 (FACTS §14). V4-Flash and V4-Pro share an architecture, so the profile carries each
+# model's config.json keys (what differs from transformers' DeepseekV4Config defaults, which are
+# V4-Flash's) and the CLI reads a name through the same reader as a config.json on disk.
+_V4_FLASH = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 43,
+             "num_attention_heads": 64, "o_groups": 8, "index_topk": 512, "sliding_window": 128,
+             "head_dim": 512, "qk_rope_head_dim": 64, "num_nextn_predict_layers": 1,
+             "max_position_embeddings": 1048576,
+             "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+             # No layer_types: transformers' default pattern (two C128A, then C128A/C4A alternating)
+             # gives the kinds; a model's config.json gives its own per-layer list.
+             LAYER_COUNTS_UNKNOWN: True}
+# V4-Pro: 128 heads, 16 output groups, top-k 1024, 61 layers (vLLM's V4-Pro constants).
+_V4_PRO = {**_V4_FLASH, "num_hidden_layers": 61, "num_attention_heads": 128, "o_groups": 16, "index_topk": 1024}
+# V4.1-Flash: 64 heads, 8 groups, top-k 512 (vLLM's V4.1 constants). Its per-layer compress_ratios
+# (0 / 1 / 2) are in its config.json only: the profile plans one layer of each kind V4.1 has.
+_V41_FLASH = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "num_hidden_layers": 3,
+              "num_attention_heads": 64, "o_groups": 8, "index_topk": 512, "sliding_window": 128, "head_dim": 512,
+              "qk_rope_head_dim": 64, "max_position_embeddings": 1048576, "compress_ratios": [0, 1, 2],
+              LAYER_COUNTS_UNKNOWN: True}
+
+DEEPSEEK_V4 = ModelProfile(
+    name="deepseek-v4",
+    # vLLM 0.33's names: the model, its MTP draft and its DSpark draft (all build DeepseekV4DecoderLayer).
+    architectures=("DeepseekV4ForCausalLM", "DeepSeekV4MTPModel", "DSparkDraftModel"),
+    model_type="deepseek_v4",
+    num_heads=64,
+    index_topk=512,
+    kv_scale_format=SCALE_POW2,  # UE8M0 exponents
+    family=DSV4_FAMILY,
+    aliases=("deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Flash-Base", "deepseek-ai/DeepSeek-V4-Pro"),
+    model_configs={"deepseek-v4-flash": _V4_FLASH, "deepseek-ai/deepseek-v4-flash": _V4_FLASH,
+                   "deepseek-ai/deepseek-v4-flash-base": _V4_FLASH, "deepseek-v4": _V4_FLASH,
+                   "deepseek-v4-pro": _V4_PRO, "deepseek-ai/deepseek-v4-pro": _V4_PRO},
+)
+
+DEEPSEEK_V41 = ModelProfile(
+    name="deepseek-v4.1",
+    architectures=("DeepseekV41ForCausalLM", "DSparkV41DraftModel"),
+    model_type="deepseek_v41",
+    num_heads=64,
+    index_topk=512,
+    kv_scale_format=SCALE_POW2,
+    family=DSV4_FAMILY,
+    aliases=("deepseek-ai/DeepSeek-V4.1-Flash",),
+    model_configs={"deepseek-v4.1-flash": _V41_FLASH, "deepseek-ai/deepseek-v4.1-flash": _V41_FLASH,
+                   "deepseek-v4.1": _V41_FLASH},
+)
+
+
 @hookimpl
 def mla_sm120_model_profiles() -> Iterator[ModelProfile]:
     yield GLM_DSA
     yield DEEPSEEK_V32
     yield GLM53_FLASH
+    yield DEEPSEEK_V4
+    yield DEEPSEEK_V41

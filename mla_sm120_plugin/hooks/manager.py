@@ -125,7 +125,7 @@ class Registry:
             return self.by_arch[name_or_arch]
         key = name_or_arch.lower()
         for profile in self.profiles.values():
-            if key == profile.name or key in (a.lower() for a in profile.aliases):
+            if key == profile.name or key in (a.lower() for a in profile.aliases) or key in profile.model_configs:
                 return profile
         return None
 

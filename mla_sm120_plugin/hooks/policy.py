@@ -12,6 +12,8 @@ from typing import Iterator
 
 from ..engines import ENGINES
 from ..kernels.dsa.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, NVFP4_DS_MLA, ROPE_DIM
+from ..kernels.dsv4.layout import FP8_DSV4
+from ..kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 from ..types import ModelProfile, Refusal, SelectionContext
 from .specs import hookimpl
 
@@ -95,9 +97,34 @@ def _geometry_refusal(ctx: SelectionContext) -> Refusal | None:
     return None
 
 
+def _dsv4_refusals(ctx: SelectionContext) -> Iterator[Refusal]:
+    """A DeepSeek-V4 layer kind: the SM family and the record (the planner checked TP and the KV
+    dtype's spelling; here a third party's context is held to the same)."""
+    from ..dsv4_plan import ENGINES as DSV4_ENGINES
+    from ..dsv4_plan import device_refusal
+
+    engine = DSV4_ENGINES[ctx.engine]
+    device = device_refusal(ctx.device, ctx.engine)
+    if device is not None:
+        yield device
+    if ctx.kv_cache_dtype not in DSV4_RECORDS:
+        yield Refusal(
+            f"kv layout {ctx.kv_cache_dtype}: DeepSeek-V4 layers read the {DSV4_RECORDS[FP8_DSV4].token_bytes}-byte record",
+            f"kv layouts {sorted(DSV4_RECORDS)}",
+            f"pass --kv-cache-dtype {engine.kv_spellings[-1]} (or auto)",
+        )
+    for feature in sorted(ctx.features):
+        yield Refusal(f"{feature} is on: {FEATURE_REASONS.get(feature, 'an engine feature this plugin does not know')}",
+                      "the standard DeepSeek-V4 cache path",
+                      f"{ENGINES[ctx.engine].feature_flags.get(feature, f'turn {feature} off')}")
+
+
 @hookimpl
 def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> Iterator[Refusal]:
     """SM family, engine features, KV layout and model geometry: the rules every engine shares."""
+    if ctx.dsv4 is not None:
+        yield from _dsv4_refusals(ctx)
+        return
     engine = ENGINES[ctx.engine]
     device = _device_refusal(ctx)
     if device is not None:

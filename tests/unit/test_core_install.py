@@ -46,6 +46,14 @@ CASES = [
     ("glm5-sm120-tp32", ["glm-5", "--sm", "12.0", "--tp", "32"], None),
     ("dsv32-sm120-tp32", ["deepseek-v3.2", "--sm", "12.0", "--tp", "32"], None),
     ("glm-dir-topk1024-tp16", ["{model_dir}", "--sm", "12.0", "--tp", "16"], None),
+    # DeepSeek-V4: one decision per layer kind
+    ("dsv4-flash-sm120-tp4", ["deepseek-v4-flash", "--sm", "12.0", "--tp", "4"],
+     {kind: {"prefill": "flashinfer_dsv4_sm120", "decode": "flashinfer_dsv4_sm120"}
+      for kind in ("c128a", "c4a", "window")}),
+    ("dsv4-pro-sglang-sm121-tp8", ["deepseek-v4-pro", "--sm", "12.1", "--tp", "8", "--engine", "sglang"],
+     {kind: {"prefill": "flashinfer_dsv4_sm120", "decode": "flashinfer_dsv4_sm120"}
+      for kind in ("c128a", "c4a", "window")}),
+    ("dsv4-flash-sm90", ["deepseek-v4-flash", "--sm", "9.0", "--tp", "4"], None),
 ]
 
 
@@ -113,6 +121,15 @@ def _check_args(args: list[str], model_dir: Path) -> list[str]:
 def _summary(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode in (0, 2), done.stderr
     data = json.loads(done.stdout)
+    if data.get("family") == "dsv4":
+        kinds = data["layer_kinds"]
+        return {
+            "exit": done.returncode,
+            "servable": data.get("servable"),
+            "kernels": {kind: v["kernels"] for kind, v in kinds.items()},
+            "rejected": sorted({(kind, r["kernel"], r["phase"]) for kind, v in kinds.items()
+                                for r in v["decision"]["rejected"]}),
+        }
     return {
         "exit": done.returncode,
         "servable": data.get("servable"),

@@ -79,7 +79,8 @@ def test_a_kernel_module_holds_no_hook_implementation(path):
 # The package's layers, bottom first; a module may import its own layer and the ones below it.
 LAYERS = (
     ("kernels", "errors"),                        # pure kernels and the bytes they read
-    ("files", "types", "engines", "device", "config", "modelinfo", "hooks", "selection", "context"),  # decisions
+    ("files", "types", "engines", "device", "config", "modelinfo", "hooks", "selection", "context",
+     "dsv4_plan"),  # decisions
     ("dispatch",),                                # catalog, binding, public entry, FlashInfer, self-check
     ("tools",),                                   # compile gate, bench
     ("integration", "cli", "__init__"),           # the engines' and the user's doors

@@ -1,0 +1,235 @@
+"""DeepSeek-V4 planned per layer kind and phase, before any weight loads (FACTS §14).
+
+From profile names and from config.json files (transformers' own DeepseekV4Config, V4.1's nested
+text_config), for vLLM and SGLang: each layer kind's call (q heads as the engine pads them, window
+and compressed widths and pages), the kernel for each (layer kind, phase) or one refusal with
+given / supported / fix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+
+from mla_sm120_plugin import dsv4_plan
+from mla_sm120_plugin.config import load_config
+from mla_sm120_plugin.context import EngineLimits, build_context, context_from_json, context_to_json
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4
+from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
+from mla_sm120_plugin.hooks.manager import get_registry
+from mla_sm120_plugin.modelinfo import facts_from_hf_config, resolve_model
+from mla_sm120_plugin.selection import select
+from mla_sm120_plugin.types import DeviceInfo
+
+REG = get_registry()
+SM120 = DeviceInfo("nvidia", 12, 0, name="planned", source="--sm")
+SM121 = DeviceInfo("nvidia", 12, 1, name="planned", source="--sm")
+
+
+def _plan(model, *, engine="vllm", tp=1, device=SM120, kv=None, precision=None, **kwargs):
+    facts = resolve_model(model, registry=REG) if isinstance(model, str) else model
+    settings = load_config({"precision": precision} if precision else None,
+                           kernel_names=REG.kernels).for_model(facts.name, facts.arch)
+    limits = EngineLimits(tensor_parallel_size=tp, engine=engine,
+                          max_decode_tokens=kwargs.pop("max_decode_tokens", None))
+    return dsv4_plan.plan(facts, settings, device, kv, limits, registry=REG, **kwargs)
+
+
+def _facts(cfg: dict, name="model"):
+    return facts_from_hf_config(cfg, name=name, registry=REG, source="config.json")
+
+
+V4_FLASH_KINDS = {"c128a", "c4a", "window"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("device", [SM120, SM121], ids=["sm120", "sm121"])
+@pytest.mark.parametrize("tp, heads", [(1, 64), (2, 32), (4, 16), (8, 8)])
+def test_v4_flash_is_planned_at_each_tp(engine, device, tp, heads):
+    plan = _plan("deepseek-v4-flash", engine=engine, tp=tp, device=device)
+    assert set(plan.decisions) == V4_FLASH_KINDS
+    assert set(plan.kernels().values()) == {FLASHINFER_DSV4}
+    for kind, decision in plan.decisions.items():
+        call = decision.context.dsv4
+        # every count is one FlashInfer lists, so neither engine pads
+        assert (call.decode_heads, call.prefill_heads) == (heads, heads)
+        assert call.window == 128 and call.window_page == 64
+        assert decision.context.kv_cache_dtype == "fp8_dsv4" and decision.classes == {"prefill": "fast",
+                                                                                        "decode": "fast"}
+    c4a = plan.decisions["c4a"].context.dsv4
+    assert (c4a.extra, c4a.extra_page) == (512, 64)  # the indexer's top-k; 256-token pages of 4-token entries
+    assert plan.decisions["c128a"].context.dsv4.extra_page == 2
+    assert plan.decisions["window"].context.dsv4.extra == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_v4_pro_at_tp8(engine):
+    plan = _plan("deepseek-v4-pro", engine=engine, tp=8)
+    call = plan.decisions["c4a"].context.dsv4
+    assert (call.decode_heads, call.extra) == (16, 1024)
+    assert set(plan.kernels().values()) == {FLASHINFER_DSV4}
+
+
+def test_tp_past_the_output_groups_is_refused_with_the_largest_that_works():
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan("deepseek-v4-flash", tp=16)
+    text = str(err.value)
+    assert "8 output-projection groups" in text and "fix: use --tensor-parallel-size 8" in text
+    with pytest.raises(UnsupportedConfiguration, match="a divisor of 64"):
+        _plan("deepseek-v4-flash", tp=3)
+
+
+@pytest.mark.parametrize("engine, own", [("vllm", "FLASHMLA_SPARSE_DSV4"), ("sglang", "--attention-backend dsv4")])
+def test_sm90_is_refused_naming_the_engines_own_path(engine, own):
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan("deepseek-v4-flash", engine=engine, tp=4, device=DeviceInfo("nvidia", 9, 0, source="--sm"))
+    text = str(err.value)
+    assert text.count("given:") == 1 and "sm_90" in text and own in text
+
+
+@pytest.mark.parametrize("engine, kv, why", [("vllm", "bfloat16", "only supports fp8"),
+                                             ("sglang", "bfloat16", "uint8 records only"),
+                                             ("sglang", "nvfp4", "sglang#38646"),
+                                             ("vllm", "fp8_e5m2", "no DeepSeek-V4 cache of that name")])
+def test_a_cache_the_engine_refuses_is_refused_before_weights(engine, kv, why):
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan("deepseek-v4-flash", engine=engine, kv=kv)
+    assert why in str(err.value) and "fix: pass --kv-cache-dtype" in str(err.value)
+
+
+@pytest.mark.parametrize("engine, kv", [("vllm", "fp8"), ("vllm", "fp8_ds_mla"), ("vllm", None),
+                                        ("sglang", "fp8_e4m3"), ("sglang", "auto")])
+def test_each_engines_spellings_of_the_584_byte_record(engine, kv):
+    assert set(_plan("deepseek-v4-flash", engine=engine, kv=kv).kernels().values()) == {FLASHINFER_DSV4}
+
+
+def test_precision_exact_is_refused_once_for_every_layer_kind():
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan("deepseek-v4-flash", precision="exact")
+    text = str(err.value)
+    assert text.startswith("layer kinds c128a (23 layers), c4a (20 layers), window (1 layer):")
+    assert text.count("given:") == 1 and "precision=exact" in text
+
+
+def test_vllm_56837_shape_is_served():
+    """V4.1 at 64 heads with top-k 1152 (vllm#56837: no decode kernel with an older FlashInfer, at
+    warmup): FlashInfer 0.7.2 reads any top-k in decode, and 1152 is a multiple of its prefill tile."""
+    cfg = {"architectures": ["DeepseekV41ForCausalLM"],
+           "text_config": {"num_hidden_layers": 4, "num_attention_heads": 64, "index_topk": 1152,
+                           "compress_ratios": [0, 1, 2, 1, 0], "o_groups": 8, "sliding_window": 128}}
+    plan = _plan(_facts(cfg))
+    assert plan.facts.dsv4.version == "v4.1" and plan.facts.dsv4.draft_layers == 1
+    assert {k: d.context.dsv4.layers for k, d in plan.decisions.items()} == {"window": 2, "c1a": 2, "c2a": 1}
+    c1a = plan.decisions["c1a"].context.dsv4
+    assert (c1a.extra, c1a.extra_page, c1a.window_page, c1a.decode_heads) == (1152, 128, 32, 64)
+
+
+def test_dspark_widens_vllms_decode_rows_and_wide_calls_take_the_prefill_form():
+    plan = _plan("deepseek-v4-flash", speculative_tokens=7, dspark=True, max_decode_tokens=512)
+    call = plan.decisions["c4a"].context.dsv4
+    assert (call.window, call.prefill_window) == (192, 128)  # cdiv(128 + 7, 64) * 64
+    sglang = _plan("deepseek-v4-flash", engine="sglang", speculative_tokens=7, dspark=True)
+    assert sglang.decisions["c4a"].context.dsv4.window == 128
+
+
+def test_a_window_off_flashinfers_prefill_tile_is_refused_only_where_that_form_runs():
+    """A 100-slot window: FlashInfer's decode form reads it, its prefill form (prefill, and decode
+    calls over 64 tokens) needs multiples of 64."""
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 64,
+           "index_topk": 512, "sliding_window": 100, "o_groups": 8}
+    with pytest.raises(UnsupportedConfiguration) as bounded:
+        _plan(_facts(cfg), max_decode_tokens=64)
+    assert "no kernel can run prefill" in str(bounded.value) and "no kernel can run decode" not in str(bounded.value)
+    assert "window rows of 100 slots, not a multiple of 64" in str(bounded.value)
+    with pytest.raises(UnsupportedConfiguration) as unbounded:
+        _plan(_facts(cfg))
+    assert "no kernel can run decode" in str(unbounded.value)
+    assert "decode calls may carry more than 64 tokens" in str(unbounded.value)
+
+
+def test_sglang_prefill_keeps_the_ranks_heads_and_flashinfer_has_no_such_prefill_kernel():
+    """A 96-head model at TP2: vLLM pads q to 64 in both phases and is served; SGLang pads decode to
+    64 but prefills with 48 heads, for which FlashInfer has no prefill kernel: refused, naming why."""
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 96,
+           "index_topk": 512, "o_groups": 8}
+    vllm = _plan(_facts(cfg), tp=2)
+    assert vllm.decisions["c128a"].context.dsv4.prefill_heads == 64
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan(_facts(cfg), engine="sglang", tp=2)
+    text = str(err.value)
+    assert "prefill kernels exist for [8, 16, 32, 64, 128] q heads, not 48" in text
+    assert "no kernel can run decode" not in text
+
+
+def test_transformers_own_config_is_read_layer_by_layer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config_cls = getattr(transformers, "DeepseekV4Config", None)
+    if config_cls is None:
+        pytest.skip("this transformers has no DeepseekV4Config")
+    cfg = config_cls(num_hidden_layers=7, architectures=["DeepseekV4ForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    res = run_cli("check", "--model", str(tmp_path), "--sm", "12.0", "--tp", "8", "--json")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    counts = {kind: v["call"]["layers"] for kind, v in plan["layer_kinds"].items()}
+    ratio = {"sliding_attention": "window", "compressed_sparse_attention": "c4a",
+             "heavily_compressed_attention": "c128a"}
+    want: dict[str, int] = {}
+    for t in cfg.layer_types:
+        want[ratio[t]] = want.get(ratio[t], 0) + 1
+    want["window"] = want.get("window", 0) + cfg.num_nextn_predict_layers  # the MTP layer(s)
+    assert counts == want and plan["layers_known"] is True
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("layer_types", ["sliding_attention", "dense"], "layer_types"),
+    ("compress_rates", {"compressed_sparse_attention": 8}, "compress_rates"),
+    ("compress_ratios", [0, 4, 3], "compress_ratios"),
+    ("sliding_window", "128", "sliding_window"),
+    ("o_groups", 0, "o_groups"),
+    ("num_hidden_layers", 5, "2 layer types for num_hidden_layers=5"),
+])
+def test_a_malformed_v4_key_is_refused_naming_it(key, value, needle):
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 64,
+           "layer_types": ["sliding_attention", "compressed_sparse_attention"]}
+    if key == "compress_ratios":
+        cfg.pop("layer_types")
+    cfg[key] = value
+    with pytest.raises(ConfigError) as err:
+        _facts(cfg)
+    assert needle in str(err.value) and "fix:" in str(err.value)
+
+
+def test_v41_ratios_are_checked_and_required():
+    base = {"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 64}
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        _facts(base)
+    with pytest.raises(ConfigError, match=r"ints from \[0, 1, 2\]"):
+        _facts({**base, "compress_ratios": [0, 4, 0]})
+
+
+def test_a_dsa_selection_refuses_a_dsv4_model_and_the_reverse():
+    facts = resolve_model("deepseek-v4-flash", registry=REG)
+    settings = load_config(None, kernel_names=REG.kernels).for_model(facts.name, facts.arch)
+    ctx = build_context(facts, settings, SM120, "fp8_ds_mla", EngineLimits())
+    with pytest.raises(UnsupportedConfiguration, match="decided as one latent cache|per layer kind"):
+        select(ctx, registry=REG)
+
+
+def test_a_layer_kinds_context_survives_the_json_round_trip():
+    plan = _plan("deepseek-v4-flash", engine="sglang", tp=4)
+    ctx = plan.decisions["c4a"].context
+    assert context_from_json(context_to_json(ctx)) == ctx
+
+
+def test_check_prints_a_row_per_kind_and_phase_and_the_opt_in():
+    res = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "12.1", "--tp", "4")
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith(("c128a", "c4a", "window"))]
+    assert len(rows) == 6 and all(FLASHINFER_DSV4 in r for r in rows)
+    assert "--attention-backend CUSTOM does not reach DeepSeek-V4 layers" in res.stdout
+    assert "the layer counts are not the model's" in res.stdout  # a profile, not a config.json
+    refused = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "9.0", "--tp", "4")
+    assert refused.returncode == 2 and "FLASHMLA_SPARSE_DSV4" in refused.stderr
