@@ -4,6 +4,9 @@
   rope-less GLM-5.3-Flash): cache layouts as data (:mod:`.dsa.layout`), packers and dequantization
   (:mod:`.dsa.pack`, :mod:`.dsa.nvfp4`), the torch reference (:mod:`.dsa.reference`), the Triton
   kernels (:mod:`.dsa.triton`, :mod:`.dsa.triton_fast`) and their launch plans (:mod:`.dsa.triton_plan`).
+- :mod:`.dsv4`: DeepSeek-V4 attention over two paged caches in one call (a sliding window and a
+  compressed cache) with per-head sinks: the 584-byte record as data (:mod:`.dsv4.layout`), its
+  packer and dequantization (:mod:`.dsv4.pack`), the torch reference (:mod:`.dsv4.reference`).
 
 A module here knows nothing of the plugin: it imports no hook, registry, selection, config, engine
 or integration module, and only :mod:`mla_sm120_plugin.errors` from outside this package

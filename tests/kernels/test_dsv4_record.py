@@ -257,3 +257,86 @@ def test_bad_input_is_refused_naming_the_argument(bad):
     with pytest.raises(KernelInputError) as err:
         dsv4_attention_reference(*args, **kwargs)
     assert "given:" in str(err.value) and "fix:" in str(err.value)
+
+
+# ---------------------------------------------------------------- the Triton kernel
+
+triton_mod = pytest.importorskip("mla_sm120_plugin.kernels.dsv4.triton")
+
+
+def _run_both(q, swa, swa_idx, swa_len, comp, comp_idx, comp_len, window_page=64, extra_page=2, sinks=None,
+              which="both"):
+    kwargs = dict(sm_scale=SCALE, swa_lengths=swa_len, sinks=sinks)
+    parts = [(swa, swa_idx, swa_len, window_page)]
+    if which != "window":
+        kwargs.update(extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=extra_page)
+        parts.append((comp, comp_idx, comp_len, extra_page))
+    out = triton_mod.dsv4_attention(q, swa, swa_idx, window_page, **kwargs)
+    return out, oracle_attention(q, parts, sinks)
+
+
+@pytest.mark.parametrize("sink", list(SINKS))
+@pytest.mark.parametrize("which", ["both", "window", "compressed"])
+def test_triton_kernel_matches_the_float64_oracle(sink, which):
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _two_cache_case(seed=len(sink) + len(which))
+    if which == "compressed":
+        swa_idx = torch.full_like(swa_idx, -1)
+    out, want = _run_both(q, swa, swa_idx, swa_len, comp, comp_idx, comp_len, sinks=SINKS[sink], which=which)
+    assert out.dtype == torch.bfloat16 and torch.equal(out[2].float(), torch.zeros(8, 512)) or which == "window"
+    acc = measure(out, want)
+    assert not EXACT_CLASS_BOUND.violations(acc), acc
+
+
+@pytest.mark.parametrize("heads,window_page,extra_page", [(16, 32, 128), (13, 256, 2), (64, 64, 64)])
+def test_triton_kernel_pages_and_head_counts(heads, window_page, extra_page):
+    case = _two_cache_case(tokens=4, heads=heads, window=40, extra=33, window_page=window_page,
+                           extra_page=extra_page, seed=heads)
+    out, want = _run_both(*case, window_page=window_page, extra_page=extra_page)
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))
+
+
+def test_triton_kernel_converts_wide_lengths_and_sinks():
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _two_cache_case(seed=5)
+    sinks = SINKS["finite"].double()
+    lengths = comp_len.to(torch.int64)
+    lengths[0] = 2**40  # past int32: the whole row
+    out = triton_mod.dsv4_attention(q, swa, swa_idx, 64, sm_scale=SCALE, swa_lengths=swa_len.to(torch.int64),
+                                    extra_cache=comp, extra_indices=comp_idx, extra_lengths=lengths,
+                                    extra_page_size=2, sinks=sinks)
+    want = oracle_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, lengths.clamp(max=2**31 - 1), 2)],
+                            sinks.float())
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))
+
+
+@pytest.mark.parametrize("bad", ["page", "indices64", "odd", "extra_alone", "sinks"])
+def test_triton_kernel_refuses_bad_input(bad):
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _two_cache_case()
+    kwargs = dict(sm_scale=SCALE)
+    args = [q, swa, swa_idx, 64]
+    if bad == "page":
+        args[3] = 65
+    elif bad == "indices64":
+        args[2] = swa_idx.to(torch.int64)
+    elif bad == "odd":
+        args[1] = torch.zeros(2, swa.shape[1] + 1, dtype=torch.uint8)[:, 1:]
+    elif bad == "extra_alone":
+        kwargs["extra_indices"] = comp_idx
+    else:
+        kwargs["sinks"] = torch.zeros(9)
+    with pytest.raises(KernelInputError) as err:
+        triton_mod.dsv4_attention(*args, **kwargs)
+    assert "given:" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_triton_kernel_clamps_lengths_to_the_rows_width():
+    """Lengths above the row's width on index views whose buffers hold valid slots past it: only the
+    row's own slots count (removing the in-kernel clamp reads the next ones and fails here)."""
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _two_cache_case(seed=11)
+    wide_swa = torch.randint(0, 128, (swa_idx.shape[0], swa_idx.shape[1] + 16), dtype=torch.int32)
+    wide_comp = torch.randint(0, 96, (comp_idx.shape[0], comp_idx.shape[1] + 16), dtype=torch.int32)
+    view_swa, view_comp = wide_swa[:, :swa_idx.shape[1]], wide_comp[:, :comp_idx.shape[1]]
+    over = torch.full_like(swa_len, swa_idx.shape[1] + 9), torch.full_like(comp_len, comp_idx.shape[1] + 16)
+    out = triton_mod.dsv4_attention(q, swa, view_swa, 64, sm_scale=SCALE, swa_lengths=over[0], extra_cache=comp,
+                                    extra_indices=view_comp, extra_lengths=over[1], extra_page_size=2)
+    want = oracle_attention(q, [(swa, view_swa, None, 64), (comp, view_comp, None, 2)], None)
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))

@@ -1,0 +1,268 @@
+"""A portable Triton kernel for DeepSeek-V4 attention: a window cache and a compressed cache in one call.
+
+The math is :mod:`.reference`'s (one softmax over both caches' candidates, the sink logit in the
+denominator only, V = K = the whole 512-wide row, zeros for a token with no candidate). One program
+takes one query token and ``BLOCK_H`` heads and walks the window's index row, then the compressed
+cache's, ``BLOCK_N`` candidates a step: a candidate's row is gathered from its page-major record
+(:mod:`.layout`: data row at ``page * stride + row * 576``, scale row at
+``page * stride + P * 576 + row * 8``), each e4m3 NoPE value times its group's ``2 ** (byte - 127)``
+(built from the exponent's bits: exact) and the bf16 rope as is, so the key/value tile is exact in
+bf16; scores and the probability-weighted sum are bf16 x bf16 dots accumulated in fp32 (the exact
+class of the DSA kernels: the probabilities are the one rounding), with an online softmax in base 2.
+
+Masked, never read: a slot < 0, a slot >= the cache's capacity (pages x page size), a position at
+or past the row's length (clamped to the row's width). Each cache has its own page size and page
+stride (runtime arguments: vLLM's window pages hold 64 entries, its compressed ones 64 or 2; V4.1's
+32 / 128 / 64; SGLang's 256-token pages).
+
+Under ``TRITON_INTERPRET=1`` the dots' operands are rounded to bf16 and multiplied in fp32 (the
+interpreter's bf16 dot multiplies raw bits), as :func:`mla_sm120_plugin.kernels.dsa.triton._dot`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_sm120_plugin.errors import KernelInputError, format_error
+from mla_sm120_plugin.kernels.dsa.triton import Launch, _dot, _store_rounded
+from mla_sm120_plugin.kernels.dsv4 import layout
+
+REC = layout.FP8_RECORD
+_LOG2E = 1.4426950408889634
+
+_HEAD: tl.constexpr = tl.constexpr(layout.HEAD_DIM)
+_NOPE: tl.constexpr = tl.constexpr(layout.NOPE_DIM)
+_GROUP: tl.constexpr = tl.constexpr(layout.SCALE_GROUP)
+_DATA: tl.constexpr = tl.constexpr(layout.DATA_ROW_BYTES)
+_SCALES: tl.constexpr = tl.constexpr(layout.SCALE_ROW_BYTES)
+_LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)
+
+
+@dataclass(frozen=True)
+class Dsv4Config:
+    """A launch's shape: heads a program, candidates a step, warps, pipelining depth."""
+
+    block_h: int = 16
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+DEFAULT = Dsv4Config()
+
+
+@triton.jit
+def _scale_of(byte):
+    """``2 ** (byte - 127)`` as fp32, from the bits (exact; byte 0, which no writer stores, reads 0)."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity, m_i, l_i, acc, qk_scale_log2,
+            BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Fold the first ``n`` candidates of one index row of one cache into the softmax state."""
+    cols = tl.arange(0, _HEAD)
+    nope = cols < _NOPE
+    cache_f8 = cache_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    cache_b16 = cache_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + idx_row + pos, mask=pos < n, other=-1)
+        valid = (idx >= 0) & (idx < capacity)
+        slot = tl.where(valid, idx, 0).to(tl.int64)
+        base = (slot // page_size) * page_stride
+        data = base + (slot % page_size) * _DATA
+        scales = base + page_size * _DATA + (slot % page_size) * _SCALES
+        in_nope = valid[:, None] & nope[None, :]
+        byte = tl.load(cache_ptr + scales[:, None] + cols[None, :] // _GROUP, mask=in_nope, other=0)
+        value = tl.load(cache_f8 + data[:, None] + cols[None, :], mask=in_nope, other=0.0).to(tl.float32)
+        rope = tl.load(cache_b16 + (data[:, None] + _NOPE) // 2 + (cols[None, :] - _NOPE),
+                       mask=valid[:, None] & (cols[None, :] >= _NOPE), other=0.0).to(tl.float32)
+        k = tl.where(nope[None, :], value * _scale_of(byte), rope)  # [BLOCK_N, 512], exact in bf16
+        s = _dot(q, tl.trans(k), DOT_BF16) * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p, k, DOT_BF16)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _dsv4_kernel(
+    q_ptr, out_ptr, sink_ptr,
+    swa_ptr, swa_idx_ptr, swa_len_ptr, extra_ptr, extra_idx_ptr, extra_len_ptr,
+    num_heads, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    swa_idx_stride, swa_width, swa_page, swa_page_stride, swa_capacity,
+    extra_idx_stride, extra_width, extra_page, extra_page_stride, extra_capacity,
+    qk_scale_log2,
+    HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    cols = tl.arange(0, _HEAD)
+    q = tl.load(q_ptr + tok * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
+                mask=h_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, _HEAD], tl.float32)
+    n = swa_width
+    if HAS_SWA_LEN:
+        n = tl.minimum(tl.maximum(tl.load(swa_len_ptr + tok), 0), swa_width)
+    m_i, l_i, acc = _attend(q, swa_ptr, swa_idx_ptr, tok * swa_idx_stride, n, swa_page, swa_page_stride,
+                            swa_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16)
+    if HAS_EXTRA:
+        n = extra_width
+        if HAS_EXTRA_LEN:
+            n = tl.minimum(tl.maximum(tl.load(extra_len_ptr + tok), 0), extra_width)
+        m_i, l_i, acc = _attend(q, extra_ptr, extra_idx_ptr, tok * extra_idx_stride, n, extra_page,
+                                extra_page_stride, extra_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16)
+    if HAS_SINK:
+        # the sink is a natural-log logit; the scores are base 2
+        sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * _LOG2E_K
+        l_i += tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+    found = (m_i > float("-inf"))[:, None]
+    out = tl.where(found, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+    _store_rounded(out_ptr + tok * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + cols[None, :], out,
+                   h_mask[:, None])
+
+
+def _bad(given: str, supported: str, fix: str) -> KernelInputError:
+    return KernelInputError(format_error(given, supported, fix))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
+                 page_size: int, q: torch.Tensor) -> None:
+    if cache.dim() != 2 or cache.dtype != torch.uint8 or cache.stride(1) != 1 or cache.device != q.device:
+        raise _bad(f"{name}_cache of shape {tuple(cache.shape)}, dtype {cache.dtype}, device {cache.device}",
+                   f"[pages, page_stride] uint8 with contiguous pages on q's device ({q.device})",
+                   "pass the engine's cache as a 2-D byte view: cache.view(num_pages, -1)")
+    if not isinstance(page_size, int) or page_size < 1 or cache.shape[1] < page_size * REC.token_bytes:
+        raise _bad(f"{name}_page_size={page_size!r} for pages of {cache.shape[1]} bytes",
+                   f"a positive page size with page_size x {REC.token_bytes} <= the page's bytes",
+                   "pass the cache's own page size (entries a page)")
+    if cache.stride(0) % 2 or cache.data_ptr() % 2:
+        raise _bad(f"{name}_cache page stride {cache.stride(0)} bytes at address {cache.data_ptr():#x}",
+                   "an even page stride and origin (the rope is read as bfloat16)",
+                   "pass the engine's cache as allocated (its pages are multiples of 576 bytes)")
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.dtype != torch.int32 or indices.stride(1) != 1:
+        raise _bad(f"{name}_indices of shape {tuple(indices.shape)}, dtype {indices.dtype}",
+                   f"[{q.shape[0]}, K] int32 with unit stride along K: global slots (page * page_size + row), -1 pads",
+                   "pass indices.to(torch.int32).contiguous()")
+    if lengths is not None and (lengths.shape != (q.shape[0],) or lengths.device != q.device):
+        raise _bad(f"{name}_lengths of shape {tuple(lengths.shape)}", f"[{q.shape[0]}] integers on q's device",
+                   "pass one length a token, or None")
+
+
+def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_lengths=None, extra_cache=None,
+                extra_indices=None, extra_lengths=None, extra_page_size=None, sinks=None,
+                cfg: Dsv4Config = DEFAULT, interpret: bool = False) -> list[Launch]:
+    """The launch of one call (what :func:`dsv4_attention` runs and the compile gate compiles)."""
+    tokens, heads, _ = q.shape
+    extra = extra_cache is not None
+    dummy = swa_indices
+    return [Launch(
+        kernel=_dsv4_kernel,
+        grid=(tokens, triton.cdiv(heads, cfg.block_h)),
+        args=(q, out, sinks if sinks is not None else q,
+              swa_cache, swa_indices, swa_lengths if swa_lengths is not None else dummy,
+              extra_cache if extra else swa_cache, extra_indices if extra else dummy,
+              extra_lengths if extra_lengths is not None else dummy,
+              heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              swa_indices.stride(0), swa_indices.shape[1], swa_page_size, swa_cache.stride(0),
+              swa_cache.shape[0] * swa_page_size,
+              extra_indices.stride(0) if extra else 0, extra_indices.shape[1] if extra else 0,
+              extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
+              extra_cache.shape[0] * extra_page_size if extra else 0,
+              sm_scale * _LOG2E),
+        constexprs=dict(HAS_EXTRA=extra, HAS_SINK=sinks is not None, HAS_SWA_LEN=swa_lengths is not None,
+                        HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,
+                        BLOCK_N=cfg.block_n, DOT_BF16=not interpret),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        describe=dict(kernel="dsv4", extra=extra, sink=sinks is not None, out=str(out.dtype).replace("torch.", ""),
+                      block_h=cfg.block_h, block_n=cfg.block_n, warps=cfg.num_warps),
+    )]
+
+
+def dsv4_attention(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_page_size: int,
+    *,
+    sm_scale: float,
+    swa_lengths: torch.Tensor | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_page_size: int | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: Dsv4Config | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache (Triton).
+
+    :param q: [T, H, 512] bf16 queries (any H).
+    :param swa_cache: [pages, page_stride] uint8, the window cache (page-major 584-byte records).
+    :param swa_indices: [T, W] int32 global window slots; -1 pads.
+    :param swa_page_size: entries a window page holds.
+    :param sm_scale: the softmax scale (512 ** -0.5 for DeepSeek-V4).
+    :param swa_lengths: [T] int32 (int64 is converted): how many of each row's slots count.
+    :param extra_cache: [pages, page_stride] uint8, the compressed cache, or None.
+    :param extra_indices: [T, K] int32 global compressed slots; -1 pads.
+    :param extra_lengths: [T] int32 or None.
+    :param extra_page_size: entries a compressed page holds.
+    :param sinks: [H] float32 sink logits (natural log), or None (float64 is converted).
+    :param out: [T, H, 512] output to write (q's dtype by default).
+    :param config: launch shape; :data:`DEFAULT` by default.
+    :returns: ``out``: [T, H, 512] in q's dtype.
+    :raises KernelInputError: a tensor of the wrong shape, dtype, device or alignment.
+    """
+    if q.dim() != 3 or q.shape[2] != REC.head_dim or q.dtype not in (torch.bfloat16, torch.float32):
+        raise _bad(f"q of shape {tuple(q.shape)}, dtype {q.dtype}", f"[T, H, {REC.head_dim}] bf16",
+                   "pass the layer's queries (after its norm and rope)")
+    _check_cache("swa", swa_cache, swa_indices, swa_lengths, swa_page_size, q)
+    if (extra_cache is None) != (extra_indices is None) or (extra_cache is not None and extra_page_size is None):
+        raise _bad("a compressed cache without its indices or page size (or indices without a cache)",
+                   "extra_cache, extra_indices and extra_page_size together, or none of them",
+                   "pass all three for a compressed layer")
+    if extra_cache is not None:
+        _check_cache("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, q)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point):
+        raise _bad(f"sinks of shape {tuple(sinks.shape)}, dtype {sinks.dtype}", f"[{q.shape[1]}] float32",
+                   "one logit a head (padded heads: -inf)")
+    # The kernel reads lengths as int32 and sinks as fp32 (a GPU would misread other widths).
+    swa_lengths = None if swa_lengths is None else swa_lengths.clamp(max=2**31 - 1).to(torch.int32)
+    extra_lengths = None if extra_lengths is None else extra_lengths.clamp(max=2**31 - 1).to(torch.int32)
+    sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise _bad(f"out of shape {tuple(out.shape)}", f"{tuple(q.shape)} with unit stride along the last dim",
+                   "pass a contiguous [T, H, 512] tensor, or None")
+    if q.shape[0] == 0:
+        return out
+    interpret = _interpreting() or q.device.type == "cpu"
+    for launch in launch_plan(q, out, swa_cache, swa_indices, swa_page_size, sm_scale=sm_scale,
+                              swa_lengths=swa_lengths, extra_cache=extra_cache, extra_indices=extra_indices,
+                              extra_lengths=extra_lengths, extra_page_size=extra_page_size, sinks=sinks,
+                              cfg=config or DEFAULT, interpret=interpret):
+        launch.run()
+    return out
