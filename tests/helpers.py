@@ -24,15 +24,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    """Run ``mla-sm120`` in a subprocess, as a user would, from :func:`clean_env`."""
+def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``mla-sm120`` in a subprocess, as a user would, from :func:`clean_env` (``timeout``: a
+    guard against a hang, in seconds)."""
     full_env = clean_env()
     if pythonpath is not None:
         full_env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), full_env["PYTHONPATH"]])
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "mla_sm120_plugin.cli", *args],
-        capture_output=True, text=True, env=full_env, timeout=300,
+        capture_output=True, text=True, env=full_env, timeout=timeout,
     )
 
 

@@ -60,7 +60,8 @@ def _gate_report(arch: int) -> dict:
     """One compile of ``arch`` a worker process: memoized here, not by a module-scoped fixture, which
     pytest tears down and rebuilds whenever xdist interleaves tests of different arches."""
     if arch == CLI_ARCH:
-        done = run_cli("bench", "--compile-only", "--arch", str(arch), "--json", env=failing_ptxas_env())
+        # A whole arch compiles in ~3 minutes on 2 busy cores; the guard leaves room for a loaded machine.
+        done = run_cli("bench", "--compile-only", "--arch", str(arch), "--json", env=failing_ptxas_env(), timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)
     with pytest.MonkeyPatch.context() as mp:
