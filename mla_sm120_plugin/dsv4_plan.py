@@ -199,6 +199,14 @@ class Dsv4Plan:
     decisions: Mapping[str, Decision]
     notes: tuple[str, ...] = field(default=())
 
+    def log_line(self) -> str:
+        """The one line an engine logs at launch: the model, the device and each kind's kernels."""
+        kinds = "; ".join(
+            f"{kind} x{d.context.dsv4.layers if d.context.dsv4 else '?'}: prefill={d.prefill} decode={d.decode}"
+            for kind, d in self.decisions.items())
+        return (f"mla_sm120: DeepSeek-V4 plan for {self.facts.name} ({self.facts.arch}) on {self.device.describe()}, "
+                f"{ENGINES[self.engine].label} tp={self.tensor_parallel_size}: {kinds}")
+
     def kernels(self) -> dict[tuple[str, str], str]:
         """(layer kind, phase) -> the kernel that serves it."""
         return {(kind, phase): d.kernels[phase] for kind, d in self.decisions.items() for phase in PHASES}

@@ -43,6 +43,7 @@ DSV4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_atte
 DSV4_RATIOS = (0, 4, 128)
 DSV41_RATIOS = (0, 1, 2)
 DSV41_ARCHS = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
+DSV41_MODEL_TYPE = "deepseek_v41"
 MAX_LAYERS = 1024
 MAX_WINDOW = 1 << 16
 # Every DeepSeek-V4 attention row: q = K = V = 512 values, 64 of them rope.
@@ -295,7 +296,9 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1
     dsv4 = None
     if profile is not None and profile.family == DSV4_FAMILY:
-        dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if arch in DSV41_ARCHS else "v4")
+        # SGLang renames V4.1's architecture to V4's and keeps model_type deepseek_v41.
+        v41 = arch in DSV41_ARCHS or _get(cfg, "model_type") == DSV41_MODEL_TYPE
+        dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
     return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, **geometry)
 
 

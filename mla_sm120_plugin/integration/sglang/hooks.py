@@ -20,6 +20,10 @@ Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.
   match q's rows (SGLang's own rule: it drops them otherwise).
 - ``DeepseekSparseAttnBackend.forward_decode`` / ``forward_extend`` (AROUND): say which phase a
   call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
+- ``apply_deepseek_v4_defaults`` (AROUND, launcher, before any weight loads): for DeepSeek-V4
+  (V4.1 runs under V4's architecture there), once SGLang resolved its settings, plans every
+  (layer kind, phase) (:mod:`mla_sm120_plugin.dsv4_plan`) and refuses at launch what cannot be
+  served; it binds nothing (SGLang calls ``flash_mla_with_kvcache_sm120`` itself).
 - ``DeepseekSparseAttnBackend._check_kpool_tail_backend`` (AROUND, each forward): SGLang allows only
   fa3/tilelang/trtllm for a pooled indexer (GLM-5.3-Flash), none of which runs on SM12x with an fp8
   cache; the routed call site gets the expanded token slots, which every kernel here reads.
@@ -66,6 +70,8 @@ KPOOL_TAIL_CHECK = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBa
 WORKSPACE_BUFFER = "dsa_flashinfer_sparse_mla_workspace"
 BUFFERS = "sglang.srt.runtime_context.get_buffer"
 EXTEND_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"
+# DeepSeek-V4: SGLang's launcher applies its DeepSeek-V4 defaults here (imported at call time).
+DSV4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
 
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
 _registered: dict[str, bool] = {}
@@ -249,6 +255,45 @@ def around_resolution(original_fn: Callable[..., dict], view: Any, *args: Any, *
     return {"dsa_prefill_backend": ROUTE, "dsa_decode_backend": ROUTE}
 
 
+def around_dsv4_defaults(original_fn: Callable[..., Any], server_args: Any, model_arch: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+    """AROUND ``apply_deepseek_v4_defaults`` (the launcher, before any weight loads): once SGLang has
+    resolved its DeepSeek-V4 settings (the dsv4 backend, 256-token pages, the KV dtype), plan every
+    (layer kind, phase) and stop start-up with given / supported / fix where one cannot be served.
+    Nothing is bound: SGLang calls ``flash_mla_with_kvcache_sm120`` itself."""
+    result = original_fn(server_args, model_arch, *args, **kwargs)
+    if not enabled():
+        return result
+    import torch
+    from sglang.srt.arg_groups.overrides import ResolvedView, _declaration_overlay, model_config_of
+
+    view = ResolvedView(server_args, overlay=_declaration_overlay(server_args))
+    plan = dsv4_plan_from_sglang(view, model_config_of(view).hf_config, tuple(torch.cuda.get_device_capability()))
+    logger.warning("%s", plan.log_line())
+    return result
+
+
+def dsv4_plan_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -> Any:
+    """The DeepSeek-V4 plan for SGLang's resolved arguments on a GPU of ``capability``.
+
+    :raises UnsupportedConfiguration: a (layer kind, phase) cannot be served, or the TP size, the
+        KV dtype or the device cannot.
+    """
+    from ...dsv4_plan import plan
+
+    reg = get_registry()
+    facts = facts_from_hf_config(hf_config, name=str(getattr(view, "served_model_name", None) or view.model_path),
+                                 registry=reg)
+    inline: dict[str, Any] = json.loads(os.environ.get(INLINE_CONFIG_ENV) or "{}")
+    settings = plugin_config(inline or None, kernel_names=reg.kernels,
+                             inline_label=f"{FLAG}-config").for_model(facts.name, facts.arch)
+    algorithm = str(getattr(view, "speculative_algorithm", None) or "").upper()
+    drafts = int(getattr(view, "speculative_num_draft_tokens", None) or 0) if algorithm else 0
+    return plan(facts, settings, from_capability(*capability, source="sglang"), getattr(view, "kv_cache_dtype", None),
+                engine_limits(view, hf_config), speculative_tokens=drafts, dspark=algorithm == "DSPARK",
+                registry=reg)
+
+
 def around_validator(original_fn: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
     """AROUND SGLang's SM120 validator: the launcher's decision replaces its GLM-only rule."""
     if not enabled():
@@ -331,6 +376,7 @@ HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook on it (B
     DECODE_ENTRY: around_forward_decode,
     EXTEND_ENTRY: around_forward_extend,
     KPOOL_TAIL_CHECK: around_kpool_tail_check,
+    DSV4_DEFAULTS: around_dsv4_defaults,
 }
 
 
