@@ -375,6 +375,11 @@ def capacity(ctx: SelectionContext) -> dict[str, Any]:
     "ratio_vs": {name: this layout's tokens / that one's}}``."""
     from .kernels.dsa.layout import BF16, FP8_DS_MLA
 
+    if ctx.dsv4 is not None:  # one DeepSeek-V4 record; no other layout of the engines holds these layers
+        record = DSV4_RECORDS.get(ctx.kv_cache_dtype)
+        rows = {} if record is None else {record.name: {"token_bytes": record.token_bytes,
+                                                        "tokens_per_gib": GIB // record.token_bytes}}
+        return {"layouts": rows, "ratio_vs": {}}
     engine = ENGINES[ctx.engine]
     names = [ctx.kv_cache_dtype] + [engine.kv_layout(base, ctx.device.sm_family, ctx.qk_rope_head_dim)
                                     for base in (FP8_DS_MLA, BF16)]

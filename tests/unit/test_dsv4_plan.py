@@ -233,3 +233,12 @@ def test_check_prints_a_row_per_kind_and_phase_and_the_opt_in():
     assert "the layer counts are not the model's" in res.stdout  # a profile, not a config.json
     refused = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "9.0", "--tp", "4")
     assert refused.returncode == 2 and "FLASHMLA_SPARSE_DSV4" in refused.stderr
+
+
+def test_the_json_says_the_record_and_its_capacity():
+    data = dsv4_plan.plan_to_dict(_plan("deepseek-v4-pro", tp=8))
+    assert data["kv_record"] == {"name": "fp8_dsv4", "token_bytes": 584}
+    capacity = data["layer_kinds"]["c4a"]["decision"]["capacity"]
+    assert capacity == {"layouts": {"fp8_dsv4": {"token_bytes": 584, "tokens_per_gib": (1 << 30) // 584}},
+                        "ratio_vs": {}}  # not the DSA layouts' 656 / 1152 bytes
+    assert data["compressed_bytes_per_token"] == {"c128a": 584 / 128, "c4a": 146.0}
