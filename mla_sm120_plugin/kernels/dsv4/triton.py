@@ -217,20 +217,14 @@ def dsv4_attention(
 ) -> torch.Tensor:
     """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache (Triton).
 
-    :param q: [T, H, 512] bf16 queries (any H).
-    :param swa_cache: [pages, page_stride] uint8, the window cache (page-major 584-byte records).
-    :param swa_indices: [T, W] int32 global window slots; -1 pads.
-    :param swa_page_size: entries a window page holds.
-    :param sm_scale: the softmax scale (512 ** -0.5 for DeepSeek-V4).
-    :param swa_lengths: [T] int32 (int64 is converted): how many of each row's slots count.
-    :param extra_cache: [pages, page_stride] uint8, the compressed cache, or None.
-    :param extra_indices: [T, K] int32 global compressed slots; -1 pads.
-    :param extra_lengths: [T] int32 or None.
-    :param extra_page_size: entries a compressed page holds.
-    :param sinks: [H] float32 sink logits (natural log), or None (float64 is converted).
+    The arguments, their shapes and the masking are
+    :func:`~mla_sm120_plugin.kernels.dsv4.reference.dsv4_attention_reference`'s (the contract lives
+    there), with stricter forms a GPU needs: int32 index rows with unit stride, caches as 2-D byte
+    views of even page stride; int64 lengths and float64 sinks are converted here.
+
     :param out: [T, H, 512] output to write (q's dtype by default).
     :param config: launch shape; :data:`DEFAULT` by default.
-    :returns: ``out``: [T, H, 512] in q's dtype.
+    :returns: ``out``: [T, H, 512] in q's dtype (no LSE).
     :raises KernelInputError: a tensor of the wrong shape, dtype, device or alignment.
     """
     if q.dim() != 3 or q.shape[2] != REC.head_dim or q.dtype not in (torch.bfloat16, torch.float32):
