@@ -161,6 +161,7 @@ def doctor_report() -> dict[str, Any]:
     from .errors import PluginError
     from .hooks.manager import get_registry
     from .selection import probe_reasons
+    from .types import DSV4_FAMILY
 
     dev = device_mod.detect(use_torch=True)
     report: dict[str, Any] = {
@@ -233,7 +234,6 @@ def self_check_rows() -> list[dict[str, Any]]:
     from .dispatch import selfcheck
     from .dispatch.binding import bind
     from .kernels.dsa.layout import FP8_DS_MLA, SCALE_FORMATS
-    from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
     from .selection import probe_reasons
 
     on_gpu = torch.cuda.is_available()
@@ -243,7 +243,7 @@ def self_check_rows() -> list[dict[str, Any]]:
     for name, spec in get_registry().kernels.items():
         if probe_reasons(spec, dev):
             continue  # `doctor` already says why it cannot run here
-        if spec.kv_cache_dtypes & frozenset(DSV4_RECORDS):
+        if spec.family == DSV4_FAMILY:
             continue  # DeepSeek-V4 kernels: planned only; the engines call them themselves
         for kv_layout in sorted(spec.kv_cache_dtypes):
             for scale_format in SCALE_FORMATS if kv_layout == FP8_DS_MLA else (SCALE_FORMATS[1],):

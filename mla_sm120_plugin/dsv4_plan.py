@@ -310,13 +310,15 @@ def _merged(problems: list[str], calls: list[Dsv4Call]) -> str:
 def device_refusal(device: DeviceInfo, engine: str) -> Refusal | None:
     """Why the plugin does not plan DeepSeek-V4 on ``device`` (None: an SM12x GPU), with the
     engine's own path there as the fix."""
-    if device.vendor == "nvidia" and device.sm_family == 12:
+    from .hooks.policy import SERVED_DEVICE, SERVED_SM_FAMILIES
+
+    if device.vendor == "nvidia" and device.sm_family in SERVED_SM_FAMILIES:
         return None
     rules = ENGINES[engine]
     own = rules.own_path.get(device.sm_family) if device.vendor == "nvidia" else None
     where = f"sm_{device.sm_major}{device.sm_minor}" if device.vendor == "nvidia" else device.sm
     return Refusal(f"device {where}: this plugin plans DeepSeek-V4 on SM12x only",
-                   "an NVIDIA SM120/SM121 GPU (the SM12x family: RTX 50xx, RTX PRO 6000 Blackwell, DGX Spark)",
+                   SERVED_DEVICE,
                    f"serve DeepSeek-V4 on {where} with {rules.label}'s own path" + (f" ({own})" if own else "")
                    + ", without the plugin's opt-in")
 

@@ -22,6 +22,7 @@ from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 from .types import (
     AUTO,
     DECODE,
+    DSA_FAMILY,
     DSV4_FAMILY,
     EXACT,
     ENGINE_NATIVE_IMPLS,
@@ -101,8 +102,7 @@ def envelope_reasons(
 
 def _same_family(spec: KernelSpec, ctx: SelectionContext) -> bool:
     """``spec`` reads a cache of ``ctx``'s model family (DeepSeek-V4's records or the DSA layouts)."""
-    records = spec.kv_cache_dtypes & frozenset(DSV4_RECORDS)
-    return bool(records) if ctx.dsv4 is not None else spec.kv_cache_dtypes != records
+    return spec.family == (DSV4_FAMILY if ctx.dsv4 is not None else DSA_FAMILY)
 
 
 def _candidates(
@@ -271,7 +271,7 @@ def _refusal_message(ctx: SelectionContext, refusals: list[tuple[str, Refusal]])
 def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
     parts = []
     for spec in sorted(reg.kernels.values(), key=lambda s: -s.priority):
-        if (profile.family == DSV4_FAMILY) != bool(spec.kv_cache_dtypes & frozenset(DSV4_RECORDS)):
+        if spec.family != profile.family:
             continue
         dev = "/".join(sorted(spec.vendors))
         if spec.sm_families is not None:

@@ -292,6 +292,11 @@ class KernelSpec:
     precision: str = EXACT
     accuracy: AccuracyBound | None = None
 
+    @property
+    def family(self) -> str:
+        """The model family the kernel serves: ``"dsv4"`` when it reads a DeepSeek-V4 record, else ``"dsa"``."""
+        return DSV4_FAMILY if self.kv_cache_dtypes & frozenset(DSV4_RECORDS) else DSA_FAMILY
+
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
