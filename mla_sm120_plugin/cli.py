@@ -161,7 +161,6 @@ def doctor_report() -> dict[str, Any]:
     from .errors import PluginError
     from .hooks.manager import get_registry
     from .selection import probe_reasons
-    from .types import DSV4_FAMILY
 
     dev = device_mod.detect(use_torch=True)
     report: dict[str, Any] = {
@@ -235,6 +234,7 @@ def self_check_rows() -> list[dict[str, Any]]:
     from .dispatch.binding import bind
     from .kernels.dsa.layout import FP8_DS_MLA, SCALE_FORMATS
     from .selection import probe_reasons
+    from .types import DSV4_FAMILY
 
     on_gpu = torch.cuda.is_available()
     target = "cuda" if on_gpu else "cpu"
