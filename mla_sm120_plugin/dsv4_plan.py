@@ -104,9 +104,10 @@ VLLM = Dsv4Engine(
     prefill_heads=(8, 16, 32, 64, 128),
     own_path={9: "FLASHMLA_SPARSE_DSV4 (FlashMLA)", 10: "FLASHMLA_SPARSE_DSV4 or FLASHINFER_MLA_SPARSE_DSV4",
               12: "DeepseekV4FlashInferSM120Attention (FlashInfer's SM120 DeepSeek-V4 kernels, JIT-built)"},
-    opt_in=("vLLM 0.33 builds its own DeepSeek-V4 layer class on SM12x (_select_dsv4_attn_cls: FlashInfer's "
-            "SM120 kernels); --attention-backend CUSTOM does not reach DeepSeek-V4 layers, so the plugin plans and "
-            "refuses here, before weights, and binds nothing into them yet"),
+    opt_in=("vLLM: --attention-backend CUSTOM makes every DeepSeek-V4 layer the plugin's subclass of vLLM's SM120 "
+            "class, planned as above while the model is built (before weights): each (layer kind, phase) runs the "
+            "kernel named here, after its self-check; without it vLLM builds its own class (FlashInfer's kernels "
+            "only)"),
 )
 
 SGLANG = Dsv4Engine(

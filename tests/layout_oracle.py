@@ -195,3 +195,47 @@ def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_sca
         if sink is not None:
             out[t] /= (1 + torch.exp(sink.double() - lse[t]))[:, None]
     return out, lse
+
+
+# DeepSeek-V4's 584-byte page-major record (FACTS §14): data rows [P x 576], then scale rows [P x 8].
+_DSV4_DATA, _DSV4_SCALES, _DSV4_NOPE, _DSV4_SCALE = 576, 8, 448, 512**-0.5
+
+
+def dsv4_oracle_row(cache: torch.Tensor, slot: int, page_size: int) -> list[float]:
+    """Slot ``slot``'s 512 values, read from the bytes."""
+    raw = cache.reshape(-1).tolist()
+    stride = cache.shape[1]
+    page, row = divmod(slot, page_size)
+    data_at = page * stride + row * _DSV4_DATA
+    scale_at = page * stride + page_size * _DSV4_DATA + row * _DSV4_SCALES
+    nope = [e4m3fn(raw[data_at + i]) * 2.0 ** (raw[scale_at + i // 64] - 127) for i in range(_DSV4_NOPE)]
+    rope = [bf16(struct.unpack_from("<H", bytes(raw[data_at + _DSV4_NOPE + 2 * i: data_at + _DSV4_NOPE + 2 * i + 2]))[0])
+            for i in range(64)]
+    return nope + rope
+
+
+def dsv4_oracle_attention(q, parts, sinks) -> torch.Tensor:
+    """float64 attention; ``parts`` = [(cache, indices [T, K], lengths [T] or None, page_size)]."""
+    tokens, heads, _ = q.shape
+    out = torch.zeros(tokens, heads, 512, dtype=torch.float64)
+    qd = q.double()
+    for t in range(tokens):
+        rows = []
+        for cache, indices, lengths, page in parts:
+            capacity = cache.shape[0] * page
+            count = indices.shape[1] if lengths is None else min(max(int(lengths[t]), 0), indices.shape[1])
+            for i in range(count):
+                idx = int(indices[t, i])
+                if 0 <= idx < capacity:
+                    rows.append(dsv4_oracle_row(cache, idx, page))
+        if not rows:
+            continue
+        keys = torch.tensor(rows, dtype=torch.float64)
+        for h in range(heads):
+            s = (keys @ qd[t, h]) * _DSV4_SCALE
+            sink = -math.inf if sinks is None else float(sinks[h])
+            m = max(float(s.max()), sink)
+            w = torch.exp(s - m)
+            denom = float(w.sum()) + (math.exp(sink - m) if sink != -math.inf else 0.0)
+            out[t, h] = (w[:, None] * keys).sum(0) / denom
+    return out

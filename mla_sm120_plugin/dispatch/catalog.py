@@ -19,10 +19,11 @@ from ..kernels.dsv4.layout import FP8_DSV4
 
 FLASHINFER = "flashinfer_sparse_mla"
 FLASHINFER_DSV4 = "flashinfer_dsv4_sm120"
+TRITON_DSV4 = "triton_dsv4"
 TRITON_FAST = "triton_sparse_mla_fast"
 TRITON = "triton_sparse_mla"
 TORCH = "torch_sparse_mla"
-BUILTIN_KERNELS = (FLASHINFER, TRITON_FAST, TRITON, TORCH, FLASHINFER_DSV4)
+BUILTIN_KERNELS = (FLASHINFER, TRITON_FAST, TRITON, TORCH, FLASHINFER_DSV4, TRITON_DSV4)
 
 # A kernel that rounds q and the probabilities to a single fp8 e4m3 each for fp8 MMAs (FlashInfer's
 # SM120 kernels) differs from float64 by the format's own error: 3.0-4.9 % relRMS, cos_diff
@@ -196,7 +197,8 @@ FLASHINFER_DSV4_SPEC = KernelSpec(
     vendors=frozenset({"nvidia"}),
     sm_families=frozenset({12}),
     priority=300,
-    # The engines call it themselves; the plugin plans it (no binding of its own yet).
+    # The engines call it themselves; where it serves a (layer kind, phase), the plugin leaves
+    # their call as it is (the self-check calls this entry on the same surface).
     entry="flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4",
     probe=_flashinfer_dsv4_probe,
     envelope=_flashinfer_dsv4_envelope,
@@ -211,6 +213,27 @@ FLASHINFER_DSV4_SPEC = KernelSpec(
 )
 
 
+TRITON_DSV4_SPEC = KernelSpec(
+    name=TRITON_DSV4,
+    phases=frozenset({PREFILL, DECODE}),
+    kv_cache_dtypes=frozenset({FP8_DSV4}),
+    # "cpu" only through Triton's interpreter (the probe checks TRITON_INTERPRET=1).
+    vendors=frozenset({"nvidia", "cpu"}),
+    sm_families=TRITON_SM_FAMILIES,
+    priority=200,
+    entry="mla_sm120_plugin.dispatch.dsv4:triton_dsv4",  # FlashInfer's SM120 call surface
+    probe=_triton_probe,
+    graph_safe=True,
+    description="portable Triton DeepSeek-V4 kernel: window + compressed cache in one pass, sinks, in-kernel "
+                "fp8 dequant (one program a token and 16 heads; no split-K)",
+    # Exact keys and values in bf16, bf16 q and probabilities, fp32 accumulation: against float64
+    # (benchmarks/dsv4_accuracy.py) cos_diff <= 2.4e-6, relRMS <= 0.22 %.
+    precision=EXACT,
+    tolerance=EXACT_CLASS_BOUND.max_rel,
+    accuracy=EXACT_CLASS_BOUND,
+)
+
+
 @hookimpl
 def mla_sm120_kernels() -> Iterator[KernelSpec]:
     yield FLASHINFER_SPEC
@@ -218,3 +241,4 @@ def mla_sm120_kernels() -> Iterator[KernelSpec]:
     yield TRITON_SPEC
     yield TORCH_SPEC
     yield FLASHINFER_DSV4_SPEC
+    yield TRITON_DSV4_SPEC

@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from layout_oracle import bf16, e4m3_byte, e4m3fn
+from layout_oracle import bf16, dsv4_oracle_attention as oracle_attention, dsv4_oracle_row as oracle_row, e4m3_byte, e4m3fn
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
@@ -24,46 +24,6 @@ from mla_sm120_plugin.kernels.dsv4.reference import dsv4_attention_reference
 
 SCALE = 512**-0.5
 DATA, SCALES, NOPE = 576, 8, 448
-
-
-def oracle_row(cache: torch.Tensor, slot: int, page_size: int) -> list[float]:
-    """Slot ``slot``'s 512 values, read from the bytes."""
-    raw = cache.reshape(-1).tolist()
-    stride = cache.shape[1]
-    page, row = divmod(slot, page_size)
-    data_at = page * stride + row * DATA
-    scale_at = page * stride + page_size * DATA + row * SCALES
-    nope = [e4m3fn(raw[data_at + i]) * 2.0 ** (raw[scale_at + i // 64] - 127) for i in range(NOPE)]
-    rope = [bf16(struct.unpack_from("<H", bytes(raw[data_at + NOPE + 2 * i: data_at + NOPE + 2 * i + 2]))[0])
-            for i in range(64)]
-    return nope + rope
-
-
-def oracle_attention(q, parts, sinks) -> torch.Tensor:
-    """float64 attention; ``parts`` = [(cache, indices [T, K], lengths [T] or None, page_size)]."""
-    tokens, heads, _ = q.shape
-    out = torch.zeros(tokens, heads, 512, dtype=torch.float64)
-    qd = q.double()
-    for t in range(tokens):
-        rows = []
-        for cache, indices, lengths, page in parts:
-            capacity = cache.shape[0] * page
-            count = indices.shape[1] if lengths is None else min(max(int(lengths[t]), 0), indices.shape[1])
-            for i in range(count):
-                idx = int(indices[t, i])
-                if 0 <= idx < capacity:
-                    rows.append(oracle_row(cache, idx, page))
-        if not rows:
-            continue
-        keys = torch.tensor(rows, dtype=torch.float64)
-        for h in range(heads):
-            s = (keys @ qd[t, h]) * SCALE
-            sink = -math.inf if sinks is None else float(sinks[h])
-            m = max(float(s.max()), sink)
-            w = torch.exp(s - m)
-            denom = float(w.sum()) + (math.exp(sink - m) if sink != -math.inf else 0.0)
-            out[t, h] = (w[:, None] * keys).sum(0) / denom
-    return out
 
 
 def _cache(num_pages, page_size, rows_scale=1.0, seed=0, stride_pad=0):

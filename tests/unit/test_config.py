@@ -178,7 +178,7 @@ _INLINE = "--additional-config mla_sm120"
         ("decode_kernel = 3", None, 'given: <F>: decode_kernel=3 (int)\nsupported: a string\nfix: quote it: decode_kernel = "..."'),
         ('decode_kernel = "trition_sparse_mla"', None,
          "given: <F>: decode_kernel='trition_sparse_mla' is not a known kernel\nsupported: one of ['auto', "
-         "'flashinfer_dsv4_sm120', 'flashinfer_sparse_mla', 'torch_sparse_mla', 'triton_sparse_mla', "
+         "'flashinfer_dsv4_sm120', 'flashinfer_sparse_mla', 'torch_sparse_mla', 'triton_dsv4', 'triton_sparse_mla', "
          "'triton_sparse_mla_fast']\nfix: correct the name"),
         ('kv_scale_format = "e8m0"', None,
          "given: <F>: kv_scale_format='e8m0'\nsupported: one of ['auto', 'pow2', 'arbitrary']\nfix: correct the value"),

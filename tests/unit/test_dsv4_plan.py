@@ -16,7 +16,8 @@ from helpers import run_cli
 from mla_sm120_plugin import dsv4_plan
 from mla_sm120_plugin.config import load_config
 from mla_sm120_plugin.context import EngineLimits, build_context, context_from_json, context_to_json
-from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4
+from mla_sm120_plugin.selection import explain
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry
 from mla_sm120_plugin.modelinfo import facts_from_hf_config, resolve_model
@@ -28,9 +29,9 @@ SM120 = DeviceInfo("nvidia", 12, 0, name="planned", source="--sm")
 SM121 = DeviceInfo("nvidia", 12, 1, name="planned", source="--sm")
 
 
-def _plan(model, *, engine="vllm", tp=1, device=SM120, kv=None, precision=None, **kwargs):
+def _plan(model, *, engine="vllm", tp=1, device=SM120, kv=None, precision=None, config=None, **kwargs):
     facts = resolve_model(model, registry=REG) if isinstance(model, str) else model
-    settings = load_config({"precision": precision} if precision else None,
+    settings = load_config({**({"precision": precision} if precision else {}), **(config or {})} or None,
                            kernel_names=REG.kernels).for_model(facts.name, facts.arch)
     limits = EngineLimits(tensor_parallel_size=tp, engine=engine,
                           max_decode_tokens=kwargs.pop("max_decode_tokens", None))
@@ -105,9 +106,16 @@ def test_each_engines_spellings_of_the_584_byte_record(engine, kv):
     assert set(_plan("deepseek-v4-flash", engine=engine, kv=kv).kernels().values()) == {FLASHINFER_DSV4}
 
 
-def test_precision_exact_is_refused_once_for_every_layer_kind():
+def test_precision_exact_takes_the_triton_kernel_for_every_layer_kind():
+    """FlashInfer's DeepSeek-V4 kernels are declared fast; the plugin's Triton kernel is exact class."""
+    plan = _plan("deepseek-v4-flash", precision="exact")
+    assert set(plan.kernels().values()) == {TRITON_DSV4}
+    assert all(d.alternates.get(phase, ()) == () for d in plan.decisions.values() for phase in ("decode", "prefill"))
+
+
+def test_a_refusal_every_layer_kind_shares_is_said_once():
     with pytest.raises(UnsupportedConfiguration) as err:
-        _plan("deepseek-v4-flash", precision="exact")
+        _plan("deepseek-v4-flash", precision="exact", config={"decode_kernel": FLASHINFER_DSV4})
     text = str(err.value)
     assert text.startswith("layer kinds c128a (23 layers), c4a (20 layers), window (1 layer):")
     assert text.count("given:") == 1 and "precision=exact" in text
@@ -134,33 +142,36 @@ def test_dspark_widens_vllms_decode_rows_and_wide_calls_take_the_prefill_form():
     assert sglang.decisions["c4a"].context.dsv4.window == 128
 
 
-def test_a_window_off_flashinfers_prefill_tile_is_refused_only_where_that_form_runs():
+def test_a_window_off_flashinfers_prefill_tile_falls_back_only_where_that_form_runs():
     """A 100-slot window: FlashInfer's decode form reads it, its prefill form (prefill, and decode
-    calls over 64 tokens) needs multiples of 64."""
+    calls over 64 tokens) needs multiples of 64; the plugin's Triton kernel takes what it cannot."""
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 64,
            "index_topk": 512, "sliding_window": 100, "o_groups": 8}
-    with pytest.raises(UnsupportedConfiguration) as bounded:
-        _plan(_facts(cfg), max_decode_tokens=64)
-    assert "no kernel can run prefill" in str(bounded.value) and "no kernel can run decode" not in str(bounded.value)
-    assert "window rows of 100 slots, not a multiple of 64" in str(bounded.value)
-    with pytest.raises(UnsupportedConfiguration) as unbounded:
-        _plan(_facts(cfg))
-    assert "no kernel can run decode" in str(unbounded.value)
-    assert "decode calls may carry more than 64 tokens" in str(unbounded.value)
+    bounded = _plan(_facts(cfg), max_decode_tokens=64)
+    assert set(bounded.kernels().items()) >= {(("c128a", "decode"), FLASHINFER_DSV4),
+                                               (("c128a", "prefill"), TRITON_DSV4)}
+    assert "window rows of 100 slots, not a multiple of 64" in explain(bounded.decisions["c128a"])
+    unbounded = _plan(_facts(cfg))
+    assert set(unbounded.kernels().values()) == {TRITON_DSV4}
+    assert "decode calls may carry more than 64 tokens" in explain(unbounded.decisions["c128a"])
+    with pytest.raises(UnsupportedConfiguration) as err:  # without the fallback: refused before weights
+        _plan(_facts(cfg), config={"prefill_kernel": FLASHINFER_DSV4})
+    assert "no kernel can run prefill" in str(err.value) or "window rows of 100 slots" in str(err.value)
 
 
 def test_sglang_prefill_keeps_the_ranks_heads_and_flashinfer_has_no_such_prefill_kernel():
-    """A 96-head model at TP2: vLLM pads q to 64 in both phases and is served; SGLang pads decode to
-    64 but prefills with 48 heads, for which FlashInfer has no prefill kernel: refused, naming why."""
+    """A 96-head model at TP2: vLLM pads q to 64 in both phases and FlashInfer serves it; SGLang pads
+    decode to 64 but prefills with 48 heads, for which FlashInfer has no prefill kernel: the
+    plugin's Triton kernel takes SGLang's prefill."""
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 96,
            "index_topk": 512, "o_groups": 8}
     vllm = _plan(_facts(cfg), tp=2)
     assert vllm.decisions["c128a"].context.dsv4.prefill_heads == 64
-    with pytest.raises(UnsupportedConfiguration) as err:
-        _plan(_facts(cfg), engine="sglang", tp=2)
-    text = str(err.value)
-    assert "prefill kernels exist for [8, 16, 32, 64, 128] q heads, not 48" in text
-    assert "no kernel can run decode" not in text
+    assert set(vllm.kernels().values()) == {FLASHINFER_DSV4}
+    sglang = _plan(_facts(cfg), engine="sglang", tp=2)
+    assert sglang.kernels()[("c128a", "prefill")] == TRITON_DSV4
+    assert sglang.kernels()[("c128a", "decode")] == FLASHINFER_DSV4
+    assert "prefill kernels exist for [8, 16, 32, 64, 128] q heads, not 48" in explain(sglang.decisions["c128a"])
 
 
 def test_transformers_own_config_is_read_layer_by_layer(tmp_path):
@@ -229,7 +240,7 @@ def test_check_prints_a_row_per_kind_and_phase_and_the_opt_in():
     assert res.returncode == 0, res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith(("c128a", "c4a", "window"))]
     assert len(rows) == 6 and all(FLASHINFER_DSV4 in r for r in rows)
-    assert "--attention-backend CUSTOM does not reach DeepSeek-V4 layers" in res.stdout
+    assert "--attention-backend CUSTOM makes every DeepSeek-V4 layer the plugin's subclass" in res.stdout
     assert "the layer counts are not the model's" in res.stdout  # a profile, not a config.json
     refused = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "9.0", "--tp", "4")
     assert refused.returncode == 2 and "FLASHMLA_SPARSE_DSV4" in refused.stderr

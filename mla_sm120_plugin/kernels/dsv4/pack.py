@@ -88,6 +88,14 @@ def _check_slots(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> to
     return slots
 
 
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """The bytes from the first page's start to the last page's last used byte, as one row (a cache
+    whose pages sit further apart than its rows are wide is a strided view; slot offsets use the
+    page stride either way)."""
+    span = (cache.shape[0] - 1) * cache.stride(0) + cache.shape[1]
+    return cache.as_strided((span,), (1,))
+
+
 def write(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, page_size: int) -> None:
     """Quantize ``rows`` ([N, 512]) into ``cache`` ([pages, page_stride] uint8) at ``slots`` ([N])."""
     slots = _check_slots(cache, slots, page_size)
@@ -95,7 +103,7 @@ def write(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, page_siz
         raise KernelInputError(format_error(f"{rows.shape[0]} rows for {slots.numel()} slots", "one slot a row",
                                             "pass as many slots as rows"))
     data, scales = quantize(rows)
-    flat = cache.view(-1)
+    flat = _flat(cache)
     data_at, scale_at = _offsets(slots, page_size, cache.stride(0))
     flat[(data_at[:, None] + torch.arange(REC.data_bytes, device=cache.device)).reshape(-1)] = data.reshape(-1)
     flat[(scale_at[:, None] + torch.arange(REC.scale_bytes, device=cache.device)).reshape(-1)] = scales.reshape(-1)
@@ -104,7 +112,7 @@ def write(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, page_siz
 def gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """The rows at ``slots`` ([N]) dequantized: [N, 512] float32 (``fp8 * 2 ** (byte - 127)``, rope)."""
     slots = _check_slots(cache, slots, page_size)
-    flat = cache.view(-1)
+    flat = _flat(cache)
     data_at, scale_at = _offsets(slots, page_size, cache.stride(0))
     data = flat[(data_at[:, None] + torch.arange(REC.data_bytes, device=cache.device))]
     scales = flat[(scale_at[:, None] + torch.arange(REC.num_scales, device=cache.device))]

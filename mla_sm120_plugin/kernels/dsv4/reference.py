@@ -11,7 +11,7 @@ denominator only (``-inf``: none). A candidate is slot ``idx`` at position ``i``
 ``i < length`` and ``0 <= idx < capacity`` (-1 padding and out-of-range ids are masked, never
 read). A token with no candidate in either cache gets zeros. Computed in fp32 on the dequantized
 rows, chunked over tokens so memory stays bounded; returns bf16 (and the natural-log LSE without
-the sink, when asked).
+the sink, when asked). A float64 q is the truth: float64 throughout, returned in float64.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _check_part(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: 
 
 
 def _part(cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
-          page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+          page_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized candidate rows [T, K, 512] (zeros where masked) and the mask [T, K]."""
     idx = indices.to(torch.int64)
     capacity = cache.shape[0] * page_size
@@ -56,7 +56,7 @@ def _part(cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | No
         pos = torch.arange(idx.shape[1], device=idx.device)
         valid &= pos[None, :] < lengths.to(torch.int64)[:, None]
     safe = torch.where(valid, idx, torch.zeros_like(idx))
-    rows = pack.gather(cache, safe.reshape(-1), page_size).reshape(*idx.shape, REC.head_dim)
+    rows = pack.gather(cache, safe.reshape(-1), page_size).reshape(*idx.shape, REC.head_dim).to(dtype)
     return torch.where(valid[..., None], rows, torch.zeros_like(rows)), valid
 
 
@@ -77,7 +77,8 @@ def dsv4_attention_reference(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache.
 
-    :param q: [T, H, 512] bf16 (or fp32) queries.
+    :param q: [T, H, 512] bf16 (or fp32) queries; float64: computed and returned in float64 (the truth
+        a kernel is measured against).
     :param swa_cache: [pages, page_stride] uint8, the window cache (page-major 584-byte records).
     :param swa_indices: [T, W] int32 global window slots; -1 pads.
     :param swa_page_size: entries a window page holds.
@@ -90,7 +91,7 @@ def dsv4_attention_reference(
     :param sinks: [H] float32 sink logits (natural log), or None.
     :param return_lse: also return the natural-log LSE of the scores ([T, H] fp32, sink excluded;
         -inf for a token with no candidate).
-    :returns: [T, H, 512] bf16 (and the LSE).
+    :returns: [T, H, 512] bf16, float64 for a float64 q (and the LSE).
     :raises KernelInputError: a tensor of the wrong shape or dtype.
     """
     if q.dim() != 3 or q.shape[2] != REC.head_dim or not q.dtype.is_floating_point:
@@ -106,18 +107,21 @@ def dsv4_attention_reference(
         _check_part("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, tokens)
     if sinks is not None and (sinks.shape != (heads,) or not sinks.dtype.is_floating_point):
         raise _bad(f"sinks of shape {tuple(sinks.shape)}, dtype {sinks.dtype}", f"[{heads}] float32", "one logit a head")
-    out = torch.empty(tokens, heads, REC.head_dim, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
-    sink = (sinks.float() if sinks is not None else torch.full((heads,), float("-inf"), device=q.device))
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty(tokens, heads, REC.head_dim, dtype=torch.float64 if work == torch.float64 else torch.bfloat16,
+                      device=q.device)
+    lse = torch.empty(tokens, heads, dtype=work, device=q.device)
+    sink = (sinks.to(work) if sinks is not None else torch.full((heads,), float("-inf"), dtype=work, device=q.device))
     for start in range(0, tokens, _CHUNK_TOKENS):
         end = min(start + _CHUNK_TOKENS, tokens)
         rows, valid = _part(swa_cache, swa_indices[start:end], None if swa_lengths is None else swa_lengths[start:end],
-                            swa_page_size)
+                            swa_page_size, work)
         if extra_cache is not None:
             extra_rows, extra_valid = _part(extra_cache, extra_indices[start:end],
-                                            None if extra_lengths is None else extra_lengths[start:end], extra_page_size)
+                                            None if extra_lengths is None else extra_lengths[start:end], extra_page_size,
+                                            work)
             rows, valid = torch.cat([rows, extra_rows], 1), torch.cat([valid, extra_valid], 1)
-        scores = torch.einsum("thd,tkd->thk", q[start:end].float(), rows) * sm_scale
+        scores = torch.einsum("thd,tkd->thk", q[start:end].to(work), rows) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = torch.maximum(scores.amax(-1), sink[None, :])
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -125,6 +129,6 @@ def dsv4_attention_reference(
         denom = weights.sum(-1) + torch.exp(sink[None, :] - top)
         any_valid = valid.any(-1)[:, None]
         result = torch.einsum("thk,tkd->thd", weights, rows) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
-        out[start:end] = torch.where(any_valid[..., None], result, torch.zeros_like(result)).to(torch.bfloat16)
+        out[start:end] = torch.where(any_valid[..., None], result, torch.zeros_like(result)).to(out.dtype)
         lse[start:end] = torch.where(any_valid, torch.log(weights.sum(-1)) + top, torch.full_like(top, float("-inf")))
     return (out, lse) if return_lse else out

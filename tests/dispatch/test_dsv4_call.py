@@ -1,0 +1,145 @@
+"""The DeepSeek-V4 kernels on FlashInfer's SM120 call surface (the one both engines make), and their self-check.
+
+The engines hand the kernel ``[pages, P, 1, 584]`` views whose pages may sit further apart than
+``P x 584`` bytes, ``[T, 1, K]`` index rows and keyword arguments; :func:`triton_dsv4` must read
+them as they are and match the float64 oracle written from the bytes (tests/kernels). The
+self-check must pass the real kernel and fail one that is 1 % off on one token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_sm120_plugin.dispatch import dsv4
+from mla_sm120_plugin.dispatch.binding import bind
+from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
+from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
+from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
+from mla_sm120_plugin.kernels.dsv4 import layout, pack
+from layout_oracle import dsv4_oracle_attention as oracle_attention
+
+REC = layout.FP8_RECORD
+CPU = torch.device("cpu")
+
+
+def _engine_view(num_pages, page_size, gap, seed, layout_name="NHD", fp8=False):
+    """A cache as an engine allocates it (pages ``gap`` bytes further apart than padded) and the
+    view it hands FlashInfer; returns (view, 2-D pages for the oracle)."""
+    gen = torch.Generator().manual_seed(seed)
+    stride = REC.page_bytes(page_size) + gap
+    pool = pack.new_cache(num_pages, page_size, page_stride=stride)
+    rows = torch.randn(num_pages * page_size, 512, generator=gen).to(torch.bfloat16)
+    pack.write(pool, rows, torch.arange(num_pages * page_size), page_size)
+    shape = (num_pages, page_size, 1, REC.token_bytes) if layout_name == "NHD" else (num_pages, 1, page_size, REC.token_bytes)
+    strides = (stride, REC.token_bytes, REC.token_bytes, 1)
+    view = pool.as_strided(shape, strides)
+    return (view.view(torch.float8_e4m3fn) if fp8 else view), pool
+
+
+@pytest.mark.parametrize("layout_name, fp8, gap", [("NHD", False, 0), ("NHD", True, 1152), ("HND", False, 576)])
+def test_triton_dsv4_reads_the_engines_views_as_the_oracle_does(layout_name, fp8, gap):
+    gen = torch.Generator().manual_seed(3)
+    swa, swa_pages = _engine_view(3, 64, gap, 1, layout_name, fp8)
+    comp, comp_pages = _engine_view(40, 2, gap, 2, layout_name, fp8)
+    tokens, heads = 3, 8
+    q = (torch.randn(tokens, heads, 512, generator=gen) / 4).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 3 * 64, (tokens, 1, 20), generator=gen, dtype=torch.int32)
+    swa_idx[0, 0, :2] = torch.tensor([-1, 3 * 64])
+    comp_idx = torch.randint(0, 80, (tokens, 1, 12), generator=gen, dtype=torch.int32)
+    swa_len = torch.tensor([20, 5, 0], dtype=torch.int32)
+    comp_len = torch.tensor([12, 12, 0], dtype=torch.int32)
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 2.0, 0.0, 30.0, -3.0, 1.0])
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16)
+    got = dsv4.triton_dsv4(query=q, swa_kv_cache=swa, workspace_buffer=None, sparse_indices=swa_idx,
+                           compressed_kv_cache=comp, out=out, bmm1_scale=512**-0.5, sinks=sinks,
+                           kv_layout=layout_name, swa_topk_lens=swa_len, extra_sparse_indices=comp_idx,
+                           extra_sparse_topk_lens=comp_len)
+    assert got is out
+    want = oracle_attention(q, [(swa_pages, swa_idx[:, 0], swa_len, 64), (comp_pages, comp_idx[:, 0], comp_len, 2)],
+                            sinks)
+    assert EXACT_CLASS_BOUND.violations(measure(out, want)) == []
+    assert bool((out[2] == 0).all())  # no candidate: zeros
+
+
+@pytest.mark.parametrize("bad, names", [
+    (dict(kv_cache_format="nvfp4"), "kv_cache_format"),
+    (dict(sparse_indices_are_storage_offsets=True), "sparse_indices_are_storage_offsets"),
+    (dict(bmm1_scale=torch.tensor(0.04)), "bmm1_scale"),
+    (dict(kv_layout="NCHW"), "kv_layout"),
+    (dict(compressed_kv_cache="drop"), "compressed_kv_cache / extra_sparse_indices"),
+    (dict(swa_kv_cache="bf16"), "swa_kv_cache"),
+])
+def test_bad_calls_are_refused_naming_the_argument(bad, names):
+    swa, _ = _engine_view(2, 64, 0, 0)
+    comp, _ = _engine_view(4, 2, 0, 1)
+    kwargs = dict(query=torch.zeros(1, 8, 512, dtype=torch.bfloat16), swa_kv_cache=swa,
+                  sparse_indices=torch.zeros(1, 1, 4, dtype=torch.int32), bmm1_scale=0.04, kv_layout="NHD",
+                  compressed_kv_cache=comp, extra_sparse_indices=torch.zeros(1, 1, 4, dtype=torch.int32))
+    if bad.get("compressed_kv_cache") == "drop":
+        kwargs.pop("compressed_kv_cache")
+    elif bad.get("swa_kv_cache") == "bf16":
+        kwargs["swa_kv_cache"] = torch.zeros(2, 64, 1, 512, dtype=torch.bfloat16)
+    else:
+        kwargs.update(bad)
+    with pytest.raises(KernelInputError) as err:
+        dsv4.triton_dsv4(**kwargs)
+    assert str(err.value).startswith("given: " + names) or names in str(err.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("heads, window_page, extra_page", [(8, 64, 64), (16, 64, 2), (64, 32, 0)])
+def test_the_self_check_passes_the_triton_kernel(heads, window_page, extra_page):
+    result = dsv4.check(TRITON_DSV4, bind(TRITON_DSV4).fn, num_heads=heads, window_page=window_page,
+                        extra_page=extra_page, device=CPU)
+    assert result.passed, result.error
+
+
+def _one_percent_off(**kwargs):
+    out = bind(TRITON_DSV4).fn(**kwargs)
+    out[1] *= 1.01
+    return out
+
+
+def test_the_self_check_fails_a_kernel_one_percent_off_on_one_token():
+    result = dsv4.check(TRITON_DSV4, _one_percent_off, num_heads=8, window_page=64, extra_page=2, device=CPU)
+    assert not result.passed and "relRMS" in result.error
+
+
+def _plan(precision=None):
+    from mla_sm120_plugin import dsv4_plan
+    from mla_sm120_plugin.config import load_config
+    from mla_sm120_plugin.context import EngineLimits
+    from mla_sm120_plugin.device import from_capability
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.modelinfo import resolve_model
+
+    reg = get_registry()
+    facts = resolve_model("deepseek-v4-flash", registry=reg)
+    settings = load_config({"precision": precision} if precision else None, kernel_names=reg.kernels)
+    return dsv4_plan.plan(facts, settings.for_model(facts.name, facts.arch), from_capability(12, 0, source="planned"),
+                          None, EngineLimits(tensor_parallel_size=8), registry=reg)
+
+
+def test_verify_falls_back_to_the_triton_kernel_when_flashinfers_fails_here():
+    """Planned FlashInfer (the device is planned, so no probe ran); its kernel cannot run on this CPU:
+    the self-check falls back to the next kernel the decision allows, and says so."""
+    decision = _plan().decisions["c4a"]
+    assert decision.kernels["decode"] == FLASHINFER_DSV4 and TRITON_DSV4 in decision.alternates["decode"]
+
+    def flashinfer_here(**kwargs):
+        raise RuntimeError("FlashInfer's SM120 module needs a GPU")
+
+    kernels, line = dsv4.verify("c4a", decision, {FLASHINFER_DSV4: flashinfer_here}, window_page=64, extra_page=64,
+                                device=CPU)
+    assert kernels == {"decode": TRITON_DSV4, "prefill": TRITON_DSV4}
+    assert "flashinfer_dsv4_sm120 FAILED (RuntimeError: FlashInfer's SM120 module needs a GPU); falling back to " \
+           "triton_dsv4 ok" in line
+
+
+def test_verify_refuses_when_every_kernel_fails(monkeypatch):
+    decision = _plan(precision="exact").decisions["window"]
+    assert decision.kernels["decode"] == TRITON_DSV4
+    monkeypatch.setattr("mla_sm120_plugin.dispatch.dsv4._import_entry", lambda entry: _one_percent_off)
+    with pytest.raises(UnsupportedConfiguration) as err:
+        dsv4.verify("window", decision, {}, window_page=64, extra_page=0, device=CPU)
+    assert "DeepSeek-V4 window prefill kernel triton_dsv4 failed its self-check" in str(err.value)
