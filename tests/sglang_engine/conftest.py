@@ -36,7 +36,7 @@ def _fresh_sglang_state(monkeypatch):
     from mla_sm120_plugin.integration.sglang import hooks
 
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
-    for name in (hooks.CONTEXT_ENV, plugin.INLINE_CONFIG_ENV, "MLA_SM120_CONFIG"):
+    for name in (hooks.CONTEXT_ENV, hooks.DSV4_PLAN_ENV, plugin.INLINE_CONFIG_ENV, "MLA_SM120_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     clear_config_cache()
     hooks.reset_for_tests()

@@ -22,8 +22,14 @@ Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.
   call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
 - ``apply_deepseek_v4_defaults`` (AROUND, launcher, before any weight loads): for DeepSeek-V4
   (V4.1 runs under V4's architecture there), once SGLang resolved its settings, plans every
-  (layer kind, phase) (:mod:`mla_sm120_plugin.dsv4_plan`) and refuses at launch what cannot be
-  served; it binds nothing (SGLang calls ``flash_mla_with_kvcache_sm120`` itself).
+  (layer kind, phase) (:mod:`mla_sm120_plugin.dsv4_plan`), refuses at launch what cannot be
+  served and exports each kind's context for the schedulers.
+- ``DeepseekV4AttnBackend.__init__`` (AROUND, each scheduler): binds each kind's kernels from the
+  launcher's plan and self-checks them (:func:`dsv4_bound_state`).
+- ``flash_mla_with_kvcache_sm120`` (AROUND, every DeepSeek-V4 attention call on SM12x): the call's
+  layer kind is its compressed cache's page (none: the window), its phase SGLang's own split (more
+  than 64 tokens: the prefill form); where the plan gives FlashInfer's kernels SGLang's own call
+  runs, where it gives the plugin's Triton kernel that kernel runs on the same arguments.
 - ``DeepseekSparseAttnBackend._check_kpool_tail_backend`` (AROUND, each forward): SGLang allows only
   fa3/tilelang/trtllm for a pooled indexer (GLM-5.3-Flash), none of which runs on SM12x with an fp8
   cache; the routed call site gets the expanded token slots, which every kernel here reads.
@@ -72,6 +78,10 @@ BUFFERS = "sglang.srt.runtime_context.get_buffer"
 EXTEND_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"
 # DeepSeek-V4: SGLang's launcher applies its DeepSeek-V4 defaults here (imported at call time).
 DSV4_DEFAULTS = "sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults"
+DSV4_BACKEND_INIT = "sglang.srt.layers.attention.deepseek_v4_backend.DeepseekV4AttnBackend.__init__"
+# Every DeepSeek-V4 attention call on SM12x (its backend imports it from the module at call time).
+DSV4_CALL = "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"
+DSV4_PLAN_ENV = "MLA_SM120_SGLANG_DSV4_PLAN"  # the launcher's per-kind contexts, for the schedulers
 
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
 _registered: dict[str, bool] = {}
@@ -269,6 +279,7 @@ def around_dsv4_defaults(original_fn: Callable[..., Any], server_args: Any, mode
 
     view = ResolvedView(server_args, overlay=_declaration_overlay(server_args))
     plan = dsv4_plan_from_sglang(view, model_config_of(view).hf_config, tuple(torch.cuda.get_device_capability()))
+    os.environ[DSV4_PLAN_ENV] = json.dumps({kind: context_to_json(d.context) for kind, d in plan.decisions.items()})
     logger.warning("%s", plan.log_line())
     return result
 
@@ -369,6 +380,50 @@ def around_forward_extend(original_fn: Callable[..., Any], *args: Any, **kwargs:
     return _in_phase(DECODE if as_decode else PREFILL, original_fn, *args, **kwargs)
 
 
+def around_dsv4_backend_init(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``DeepseekV4AttnBackend.__init__``: bind and self-check the plan's kernels in this scheduler."""
+    result = original_fn(*args, **kwargs)
+    if enabled():
+        dsv4_bound_state()
+    return result
+
+
+def around_dsv4_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``flash_mla_with_kvcache_sm120`` (keywords only): the plan's kernel for this call.
+
+    q: [T, 1, H, 512] bfloat16 (H: SGLang's heads for the call, padded or not); k_cache:
+    [pages, 256, 1, 584] float8_e4m3fn window pages (stride(0): the padded page bytes); indices:
+    [T, 1, W] int32 global slots, -1 padded; topk_length: [T] int32; attn_sink: [H] float32;
+    extra_k_cache: [pages, 256 / ratio, 1, 584] or None, with extra_indices_in_kvcache [T, 1, K] and
+    extra_topk_length [T]. Returns (out [T, 1, H, 512] bfloat16, None), as SGLang's FlashInfer path.
+    """
+    if not enabled() or args:
+        return original_fn(*args, **kwargs)
+    state = dsv4_bound_state()
+    q, extra = kwargs["q"], kwargs.get("extra_k_cache")
+    page = 0 if extra is None else int(extra.shape[1])
+    routes = state.routes.get(page)
+    if routes is None:
+        raise KernelInputError(format_error(
+            f"a DeepSeek-V4 call with a compressed cache of {page} entries a page", "the launcher's plan: "
+            + ", ".join(f"{kind} ({p or 'no compressed cache'})" for p, (kind, _) in state.routes.items()),
+            "restart SGLang so that its launcher plans this model again"))
+    kind, fns = routes
+    fn = fns[PREFILL if q.shape[0] > state.decode_max_tokens else DECODE]
+    if fn is None:
+        return original_fn(**kwargs)
+    if kwargs.get("head_dim_v", q.shape[-1]) != q.shape[-1]:
+        raise KernelInputError(format_error(f"head_dim_v={kwargs['head_dim_v']} for q of width {q.shape[-1]}",
+                                            "V = K: the whole 512-wide row", "pass head_dim_v=512"))
+    scale = kwargs.get("softmax_scale")
+    out = fn(query=q[:, 0], swa_kv_cache=kwargs["k_cache"], sparse_indices=kwargs["indices"],
+             swa_topk_lens=kwargs.get("topk_length"), sinks=kwargs.get("attn_sink"),
+             bmm1_scale=q.shape[-1] ** -0.5 if scale is None else scale, kv_layout="NHD", compressed_kv_cache=extra,
+             extra_sparse_indices=kwargs.get("extra_indices_in_kvcache"),
+             extra_sparse_topk_lens=kwargs.get("extra_topk_length"))
+    return out.unsqueeze(1), None
+
+
 HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook on it (BUFFERS is read, not hooked)
     RESOLUTION: around_resolution,
     VALIDATOR: around_validator,
@@ -377,6 +432,8 @@ HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook on it (B
     EXTEND_ENTRY: around_forward_extend,
     KPOOL_TAIL_CHECK: around_kpool_tail_check,
     DSV4_DEFAULTS: around_dsv4_defaults,
+    DSV4_BACKEND_INIT: around_dsv4_backend_init,
+    DSV4_CALL: around_dsv4_call,
 }
 
 
@@ -490,6 +547,55 @@ def bound_state() -> BoundState:
     logger.info("%s", line)
     _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)
     return _bound["state"]
+
+
+@dataclass(frozen=True)
+class Dsv4BoundState:
+    """This scheduler's DeepSeek-V4 routes: compressed page (0: window-only) -> (layer kind, phase ->
+    the plugin kernel to run, None for SGLang's own FlashInfer call); and SGLang's decode bound."""
+
+    plan: dict[str, Decision]
+    routes: dict[int, tuple[str, dict[str, Any]]]
+    decode_max_tokens: int
+
+
+def dsv4_bound_state() -> Dsv4BoundState:
+    """Bind each layer kind's kernels from the launcher's plan and self-check them, once per process.
+
+    :raises UnsupportedConfiguration: the plan did not reach this process, or a kind's kernels and
+        their alternates all failed the self-check.
+    """
+    if "dsv4" in _bound:
+        return _bound["dsv4"]
+    _require_hooks()
+    text = os.environ.get(DSV4_PLAN_ENV)
+    if not text:
+        raise UnsupportedConfiguration(format_error(
+            f"{ENABLE_ENV} is on in this process but the launcher's DeepSeek-V4 plan ({DSV4_PLAN_ENV}) did not reach it",
+            "SGLang's launcher applying its DeepSeek-V4 defaults with the plugin enabled",
+            f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
+    from ...dispatch import dsv4 as dsv4_dispatch
+    from ...dispatch.binding import bind
+    from ...dispatch.catalog import FLASHINFER_DSV4
+    from ...dispatch.selfcheck import engine_device
+    from ...dsv4_plan import SGLANG
+
+    decisions = {kind: select(context_from_json(ctx)) for kind, ctx in json.loads(text).items()}
+    direct = pkgutil.resolve_name("flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4") if any(
+        FLASHINFER_DSV4 in d.kernels.values() for d in decisions.values()) else None
+    routes: dict[int, tuple[str, dict[str, Any]]] = {}
+    for kind, decision in decisions.items():
+        call = decision.context.dsv4
+        kernels, line = dsv4_dispatch.verify(
+            kind, decision, {FLASHINFER_DSV4: direct} if direct else {},
+            # the pages this call site passes: SGLang's own (the split into 64 is its FlashInfer path's)
+            window_page=SGLANG.compressed_page_tokens["v4"], extra_page=call.extra_page, device=engine_device())
+        logger.info("%s", line)
+        routes[call.extra_page] = (kind, {phase: None if name == FLASHINFER_DSV4 else bind(name).fn
+                                          for phase, name in kernels.items()})
+    decode_max = int(pkgutil.resolve_name("sglang.kernels.ops.attention.flash_mla_sm120.SM120_DECODE_MAX_TOKENS"))
+    _bound["dsv4"] = Dsv4BoundState(decisions, routes, decode_max)
+    return _bound["dsv4"]
 
 
 def reset_for_tests() -> None:
