@@ -20,8 +20,13 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
 load_general_plugins()
 load_general_plugins()  # vLLM may call it again; must stay a no-op
 {post}
+import sys
+imported = sorted(m for m in sys.modules if m.startswith(("vllm.models.deepseek_v4", "vllm.models.deepseek_v41")))
+import vllm.models.deepseek_v4.nvidia.model as v4, vllm.models.deepseek_v41.nvidia.model as v41
 print(json.dumps({{"overridden": E.CUSTOM.is_overridden(),
-                   "path": E.CUSTOM.get_path() if E.CUSTOM.is_overridden() else None}}))
+                   "path": E.CUSTOM.get_path() if E.CUSTOM.is_overridden() else None,
+                   "dsv4_imported_by_plugins": imported,
+                   "dsv4_selector_wrapped": [getattr(m._select_dsv4_attn_cls, "_mla_sm120", False) for m in (v4, v41)]}}))
 """
 
 
@@ -37,20 +42,24 @@ def _run(env_extra: dict[str, str], pre: str = "", post: str = REPEAT) -> tuple[
 
 
 def test_load_general_plugins_registers_custom():
+    """And wraps DeepSeek-V4's class choice in V4 and V4.1 when vLLM imports them, importing neither itself."""
     out, _ = _run({})
-    assert out == {"overridden": True, "path": BACKEND_PATH}
+    assert out == {"overridden": True, "path": BACKEND_PATH, "dsv4_imported_by_plugins": [],
+                   "dsv4_selector_wrapped": [True, True]}
 
 
 def test_vllm_plugins_excluding_us_leaves_custom_unregistered():
     out, _ = _run({"VLLM_PLUGINS": "some_other_plugin"}, post="")
-    assert out == {"overridden": False, "path": None}
+    assert out == {"overridden": False, "path": None, "dsv4_imported_by_plugins": [],
+                   "dsv4_selector_wrapped": [False, False]}
 
 
 def test_foreign_custom_owner_is_left_alone_and_logged_once():
     pre = ("from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend\n"
            "register_backend(E.CUSTOM, 'someone.else.Backend')")
     out, err = _run({}, pre=pre)
-    assert out == {"overridden": True, "path": "someone.else.Backend"}
+    assert out == {"overridden": True, "path": "someone.else.Backend", "dsv4_imported_by_plugins": [],
+                   "dsv4_selector_wrapped": [False, False]}
     assert err.count("already belongs to someone.else.Backend") == 1
     assert BACKEND_PATH in err
 
@@ -81,6 +90,7 @@ def test_a_faulty_third_party_hook_does_not_break_vllms_plugin_loading(demo_plug
                          env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     *before, last = res.stdout.strip().splitlines()
-    assert json.loads(last) == {"overridden": True, "path": BACKEND_PATH}
+    assert json.loads(last) == {"overridden": True, "path": BACKEND_PATH, "dsv4_imported_by_plugins": [],
+                                "dsv4_selector_wrapped": [True, True]}
     assert any(line.startswith("PluginError given: plugin mla-sm120-demo 0.1.0") and "mla_sm120_select" in line
                for line in before), res.stdout

@@ -495,6 +495,21 @@ def _require_hooks() -> None:
 # ------------------------------------------------------------------------ bound kernels
 
 
+def _from_launcher(env: str, what: str, where: str) -> str:
+    """What the launcher exported in ``env`` for this scheduler (the hooks must be in place too).
+
+    :raises UnsupportedConfiguration: it did not reach this process.
+    """
+    _require_hooks()
+    text = os.environ.get(env)
+    if not text:
+        raise UnsupportedConfiguration(format_error(
+            f"{ENABLE_ENV} is on in this process but the launcher's {what} ({env}) did not reach it",
+            f"SGLang's launcher {where} with the plugin enabled",
+            f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
+    return text
+
+
 @dataclass(frozen=True)
 class BoundState:
     """This process's decision, its bound kernels (after the self-check) and how to view the cache."""
@@ -529,13 +544,7 @@ def bound_state() -> BoundState:
     """
     if "state" in _bound:
         return _bound["state"]
-    _require_hooks()
-    text = os.environ.get(CONTEXT_ENV)
-    if not text:
-        raise UnsupportedConfiguration(format_error(
-            f"{ENABLE_ENV} is on in this process but the launcher's decision ({CONTEXT_ENV}) did not reach it",
-            "SGLang's launcher resolving the DSA backends with the plugin enabled",
-            f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
+    text = _from_launcher(CONTEXT_ENV, "decision", "resolving the DSA backends")
     from ...dispatch import selfcheck
     from ...dispatch.binding import bind
 
@@ -567,13 +576,7 @@ def dsv4_bound_state() -> Dsv4BoundState:
     """
     if "dsv4" in _bound:
         return _bound["dsv4"]
-    _require_hooks()
-    text = os.environ.get(DSV4_PLAN_ENV)
-    if not text:
-        raise UnsupportedConfiguration(format_error(
-            f"{ENABLE_ENV} is on in this process but the launcher's DeepSeek-V4 plan ({DSV4_PLAN_ENV}) did not reach it",
-            "SGLang's launcher applying its DeepSeek-V4 defaults with the plugin enabled",
-            f"start SGLang with {FLAG} (or {ENABLE_ENV}=1 set before the launcher starts)"))
+    text = _from_launcher(DSV4_PLAN_ENV, "DeepSeek-V4 plan", "applying its DeepSeek-V4 defaults")
     from ...dispatch import dsv4 as dsv4_dispatch
     from ...dispatch.binding import bind
     from ...dispatch.catalog import FLASHINFER_DSV4

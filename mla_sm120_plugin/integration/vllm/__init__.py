@@ -1,9 +1,10 @@
 """vLLM integration: the ``vllm.general_plugins`` entry point.
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, each worker),
-once per process, before models are built. It only records our backend's class path under
-``AttentionBackendEnum.CUSTOM``; nothing is imported until the user picks
-``--attention-backend CUSTOM`` and vLLM resolves that path.
+once per process, before models are built. It records our backend's class path under
+``AttentionBackendEnum.CUSTOM`` and installs the DeepSeek-V4 import hook
+(:mod:`.dsv4`); nothing is imported until the user picks ``--attention-backend CUSTOM`` and vLLM
+resolves that path or builds a DeepSeek-V4 model.
 
 Every place this package depends on vLLM 0.33 internals is listed in
 :mod:`mla_sm120_plugin.integration.vllm.adapters`, with what would let it go.
@@ -60,6 +61,11 @@ def register() -> None:
             return
         register_backend(custom, BACKEND_PATH)
         _state["outcome"] = "registered"
+        # DeepSeek-V4 layers pick their class without the selector: wrap that choice where vLLM
+        # imports it (nothing imported now; without the opt-in the wrapper returns vLLM's choice).
+        from .dsv4 import install
+
+        install()
     except Exception as exc:  # an exception here would abort vLLM's start-up
         _state["outcome"] = "failed"
         logger.warning("mla_sm120: could not register the CUSTOM attention backend: %s: %s", type(exc).__name__, exc)

@@ -42,6 +42,18 @@ change would let it go.
 12. 64-row pages: the kernels get ``flat_kv_row_view`` rows as ``[rows / 64, 64, C]`` (vLLM's own
    SM120 impl passes FlashInfer the same ``view(-1, 64, C)``); ``customize_spec`` keeps blocks whole
    64-row pages apart, so the view always exists.
+13. DeepSeek-V4's class choice (``_select_dsv4_attn_cls``, a global of
+   ``vllm.models.deepseek_v4.nvidia.model`` and ``vllm.models.deepseek_v41.nvidia.model``, looked up by
+   name by the target, MTP and DSpark decoder layers): it never consults the attention selector, so
+   :mod:`.dsv4` wraps it when vLLM imports those modules (an import hook installed by ``register()``).
+   Would go if vLLM resolved DeepSeek-V4 layers through ``AttentionBackendEnum.CUSTOM``.
+14. ``DeepseekV4FlashInferSM120Attention`` (both versions' ``flashinfer_sparse.py``): the plugin's layer
+   subclasses it; its ``__init__`` runs the base ``DeepseekV4Attention.__init__`` and the SM120 class's
+   o-projection recipe (``compute_fp8_einsum_recipe``, V4.1 with ``_o_proj_block_size``) but not its
+   FlashInfer gate (``has_flashinfer_sparse_mla_sm120_config``: the plan and the self-check decide);
+   ``_forward_decode`` / ``_forward_prefill`` run as vLLM wrote them, their kernel call (the module
+   global ``flashinfer_trtllm_batch_decode_sparse_mla_dsv4``) routed per phase. Would go if vLLM took
+   the sparse kernel as a per-layer callable.
 """
 
 from __future__ import annotations

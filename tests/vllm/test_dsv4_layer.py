@@ -1,0 +1,275 @@
+"""DeepSeek-V4 layers in vLLM 0.33 with and without ``--attention-backend CUSTOM``, built on the CPU.
+
+vLLM's own objects throughout (FACTS §12): a tiny ``DeepseekV4Config`` model directory, a real
+``VllmConfig`` (``AttentionConfig(backend="CUSTOM")`` is what the flag lands as), vLLM's
+distributed state for one rank (gloo), the platform reading as SM 12.0 on its class (the
+capability checks are classmethods) with the load device the compressor allocates on, and each
+layer built the way ``DeepseekV4DecoderLayer`` builds it: ``_select_dsv4_attn_cls(vllm_config)(...)``
+inside ``set_current_vllm_config``, the model's default dtype and the load device. (The whole
+decoder layer does not build here: vLLM's MoE selection has no CPU case.)
+
+The forward goes through vLLM's ``forward_mqa`` under ``set_forward_context`` with vLLM's own
+metadata classes (filled as its builders fill them: global slots, -1 padded, decode rows first)
+on 584-byte page-major caches laid out as vLLM binds them (``[blocks, P, 584]``, pages padded to
+multiples of 576 bytes), written by the packer (held to vLLM's writer byte for byte in
+tests/kernels/test_dsv4_record.py), and is compared with the float64 oracle written from the bytes.
+FlashInfer cannot run on this CPU, so the plan gives every (layer kind, phase) the plugin's Triton
+kernel, run by Triton's interpreter; the C4A layer's index transform is a vLLM Triton kernel that
+needs a CUDA driver here, so its forward is not run (its kernel routing is the window's and C128A's).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from layout_oracle import dsv4_oracle_attention
+
+from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
+from mla_sm120_plugin.errors import UnsupportedConfiguration
+from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
+from mla_sm120_plugin.kernels.dsv4 import pack
+
+from vllm.config import (  # noqa: E402
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+
+MAX_LEN = 4096
+LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+
+
+def _model_dir(tmp_path) -> str:
+    from transformers import DeepseekV4Config
+
+    cfg = DeepseekV4Config(
+        vocab_size=256, hidden_size=1024, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=16,
+        num_key_value_heads=1, head_dim=512, q_lora_rank=256, o_lora_rank=256, o_groups=2, num_experts_per_tok=2,
+        n_routed_experts=4, n_shared_experts=1, max_position_embeddings=MAX_LEN, sliding_window=128,
+        index_n_heads=4, index_head_dim=128, index_topk=64, num_nextn_predict_layers=0, layer_types=LAYER_TYPES,
+        mlp_layer_types=["hash_moe", "moe", "moe"])
+    cfg.architectures = ["DeepseekV4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _vllm_config(model_dir: str, *, custom: bool = True, additional_config: dict | None = None) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=MAX_LEN, enforce_eager=True),
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(cache_dtype="fp8", block_size=256),  # DeepSeek-V4's only kernel block size
+        parallel_config=ParallelConfig(tensor_parallel_size=1),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=MAX_LEN, max_model_len=MAX_LEN,
+                                         is_encoder_decoder=False),
+        attention_config=AttentionConfig(backend="CUSTOM") if custom else AttentionConfig(),
+        additional_config=additional_config or {},
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("dsv4"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir):
+    """vLLM's distributed state for one rank (the layers' linear layers need a TP group); torn down after."""
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(_vllm_config(model_dir)):
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1, backend="gloo")
+    yield
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
+@pytest.fixture
+def sm(monkeypatch, one_rank):
+    """The platform reads as SM ``major.minor`` (on its class: vLLM's capability checks are classmethods),
+    loading on the CPU; the plugin registered as vLLM registers it, its per-process state fresh."""
+    from mla_sm120_plugin.integration.vllm import dsv4, register
+
+    platform = type(current_platform)
+    monkeypatch.setattr(platform, "device_type", "cpu")
+    register()
+    dsv4.reset_for_tests()
+
+    def set_sm(major: int, minor: int) -> None:
+        monkeypatch.setattr(platform, "get_device_capability",
+                            classmethod(lambda cls, device_id=0: DeviceCapability(major, minor)))
+
+    yield set_sm
+    dsv4.reset_for_tests()
+
+
+def _build(cfg: VllmConfig) -> list:
+    """Each layer as ``DeepseekV4DecoderLayer.__init__`` builds its attention."""
+    import vllm.models.deepseek_v4.nvidia.model as v4model
+
+    with torch.device("cpu"):  # vLLM makes the indexer's buffer outside construction
+        topk = torch.full((MAX_LEN, 64), -1, dtype=torch.int32)
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+        return [v4model._select_dsv4_attn_cls(cfg)(cfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk,
+                                                   aux_stream_list=None) for i in range(len(LAYER_TYPES))]
+
+
+def test_the_opt_in_gives_every_layer_the_plugins_class_and_without_it_vllms(model_dir, sm):
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import DeepseekV4FlashInferSM120Attention
+
+    sm(12, 0)
+    ours = _build(_vllm_config(model_dir))
+    assert all(isinstance(layer, DeepseekV4FlashInferSM120Attention) for layer in ours)
+    assert {type(layer).__name__ for layer in ours} == {"MlaSm120DeepseekV4FlashInferSM120Attention"}
+    # FlashInfer cannot run on this CPU (the probe says so): the plugin's kernel, after its self-check
+    assert [layer.mla_sm120_kernels for layer in ours] == [{"prefill": TRITON_DSV4, "decode": TRITON_DSV4}] * 3
+    theirs = _build(_vllm_config(model_dir, custom=False))
+    assert {type(layer) for layer in theirs} == {DeepseekV4FlashInferSM120Attention}
+
+
+def test_a_refusal_comes_while_the_model_is_built(model_dir, sm):
+    sm(9, 0)
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _build(_vllm_config(model_dir))
+    assert "FLASHMLA_SPARSE_DSV4" in str(err.value) and "without the plugin's opt-in" in str(err.value)
+    sm(12, 0)
+    forced = {"mla_sm120": {"decode_kernel": "flashinfer_dsv4_sm120"}}
+    with pytest.raises(UnsupportedConfiguration) as err:  # FlashInfer's kernels cannot run on this CPU
+        _build(_vllm_config(model_dir, additional_config=forced))
+    text = str(err.value)
+    assert text.startswith("layer kinds window (1 layer), c4a (1 layer), c128a (1 layer):")
+    assert "decode kernel flashinfer_dsv4_sm120 (decode_kernel from --additional-config mla_sm120) cannot run" in text
+    assert "decode can run: triton_dsv4" in text
+
+
+# --------------------------------------------------------------------------------- the forward
+
+SEQ = [300, 40, 520]  # the requests' lengths after this step
+MIXED = [1, 1, 5]  # two decode requests (one token each), then a prefill chunk of 5 tokens
+DECODES = [1, 1, 1]  # decode only: vLLM's C128A prefill rows go through a vLLM Triton index kernel
+                     # that needs a CUDA driver, even under Triton's interpreter
+
+
+class Batch:
+    """One step's tokens as vLLM's reordered batch holds them (decode requests first)."""
+
+    def __init__(self, qlens: list[int]) -> None:
+        self.qlens = qlens
+        self.tokens = sum(qlens)
+        self.decodes = sum(1 for q in qlens if q == 1)
+        self.decode_tokens = self.decodes
+        self.pos = torch.cat([torch.arange(s - q, s) for q, s in zip(qlens, SEQ)])
+        self.req = torch.repeat_interleave(torch.arange(len(qlens)), torch.tensor(qlens)).int()
+        self.qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _block_table(block: int) -> torch.Tensor:
+    """Each request's blocks two apart (other layers' pages between), as vLLM's table holds them."""
+    table = torch.zeros(len(SEQ), MAX_LEN // block, dtype=torch.int32)
+    nxt = 1
+    for r, s in enumerate(SEQ):
+        for j in range(-(-s // block)):
+            table[r, j], nxt = nxt, nxt + 2
+    return table
+
+
+def _pool(spec, table: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A pool as vLLM binds it ([blocks, P, 584] over padded pages), filled by the packer."""
+    entries = spec.block_size // getattr(spec, "tokens_per_state", 1)
+    blocks = int(table.max()) + 1
+    pages = pack.new_cache(blocks, entries, page_stride=spec.page_size_bytes)
+    rows = torch.randn(blocks * entries, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    pack.write(pages, rows, torch.arange(blocks * entries), entries)
+    return pages.as_strided((blocks, entries, 584), (spec.page_size_bytes, 584, 1)), pages, entries
+
+
+def _swa_metadata(b: Batch, block: int, window: int):
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
+
+    table = _block_table(block)
+    idx = torch.full((b.tokens, 1, window), -1, dtype=torch.int32)
+    lens = torch.zeros(b.tokens, dtype=torch.int32)
+    for t in range(b.tokens):
+        p, r = int(b.pos[t]), int(b.req[t])
+        span = range(max(0, p - window + 1), p + 1)
+        idx[t, 0, :len(span)] = torch.tensor([int(table[r, x // block]) * block + x % block for x in span])
+        lens[t] = len(span)
+    nd = b.decode_tokens
+    md = DeepseekSparseSWAMetadata(
+        block_table=table, slot_mapping=torch.zeros(b.tokens, dtype=torch.int64), block_size=block,
+        seq_lens=torch.tensor(SEQ, dtype=torch.int32), query_start_loc=b.qsl, query_start_loc_cpu=b.qsl,
+        is_valid_token=torch.ones(b.tokens, dtype=torch.bool), token_to_req_indices=b.req,
+        decode_swa_indices=idx[:nd], decode_swa_lens=lens[:nd], decode_swa_width=window,
+        prefill_swa_indices=idx[nd:], prefill_swa_lens=lens[nd:], num_decodes=b.decodes,
+        num_prefills=len(b.qlens) - b.decodes, num_decode_tokens=nd, num_prefill_tokens=b.tokens - nd)
+    return md, idx[:, 0], lens
+
+
+def _c128a_metadata(b: Batch, block: int):
+    """C128A's metadata as vLLM's builder fills it on SM120: decode rows the global slots of every
+    compressed entry (a row of 128 at this length), prefill rows the request's local entries."""
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
+
+    table, per_block, nd = _block_table(block), block // 128, b.decode_tokens
+    glob = torch.full((b.tokens, 128), -1, dtype=torch.int32)  # what the kernel reads
+    local = torch.full((b.tokens, 128), -1, dtype=torch.int32)
+    lens = torch.zeros(b.tokens, dtype=torch.int32)
+    for t in range(b.tokens):
+        n, r = (int(b.pos[t]) + 1) // 128, int(b.req[t])
+        glob[t, :n] = torch.tensor([int(table[r, j // per_block]) * per_block + j % per_block for j in range(n)],
+                                   dtype=torch.int32)
+        local[t, :n], lens[t] = torch.arange(n), n
+    md = DeepseekV4FlashMLAMetadata(
+        num_reqs=len(b.qlens), max_query_len=max(b.qlens), max_seq_len=max(SEQ), num_actual_tokens=b.tokens,
+        query_start_loc=b.qsl, slot_mapping=torch.zeros(b.tokens, dtype=torch.int64), block_table=table,
+        req_id_per_token=b.req, block_size=block, topk_tokens=64,
+        c128a_global_decode_topk_indices=glob[:nd].view(nd, 1, -1), c128a_decode_topk_lens=lens[:nd].clone(),
+        c128a_prefill_topk_indices=local[nd:])
+    return md, glob, lens
+
+
+@pytest.mark.parametrize("index, qlens", [(0, MIXED), (2, DECODES)], ids=["window-mixed", "c128a-decode"])
+def test_a_forward_through_the_plugins_layer_matches_float64(model_dir, sm, index, qlens):
+    from vllm.forward_context import set_forward_context
+
+    sm(12, 0)
+    cfg = _vllm_config(model_dir)
+    layer = _build(cfg)[index]
+    b = Batch(qlens)
+    swa = layer.swa_cache_layer
+    swa_md, swa_idx, swa_len = _swa_metadata(b, swa.block_size, layer.window_size)
+    swa_view, swa_pages, swa_page = _pool(swa.get_kv_cache_spec(cfg), swa_md.block_table, 1)
+    swa.kv_cache = swa_view
+    parts = [(swa_pages, swa_idx, swa_len, swa_page)]
+    metadata = {swa.prefix: swa_md}
+    if layer.compress_ratio > 1:
+        md, c_idx, c_len = _c128a_metadata(b, cfg.cache_config.block_size)
+        layer.kv_cache, c_pages, c_page = _pool(layer.get_kv_cache_spec(cfg), md.block_table, 2)
+        parts.append((c_pages, c_idx, c_len, c_page))
+        metadata[layer.prefix] = md
+    gen = torch.Generator().manual_seed(index)
+    with torch.no_grad():
+        layer.attn_sink.copy_(torch.randn(layer.padded_heads, generator=gen))
+        layer.attn_sink[::5] = float("-inf")
+    q = (torch.randn(b.tokens, layer.n_local_heads, 512, generator=gen) / 4).to(torch.bfloat16)
+    out = torch.full((b.tokens, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
+    with set_forward_context(metadata, cfg, num_tokens=b.tokens):
+        layer.forward_mqa(q, None, b.pos, out)
+    want = dsv4_oracle_attention(q, parts, layer.attn_sink.detach())
+    got = measure(out, want)
+    assert EXACT_CLASS_BOUND.violations(got) == [], got
