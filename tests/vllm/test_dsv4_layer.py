@@ -20,6 +20,7 @@ needs a CUDA driver here, so its forward is not run (its kernel routing is the w
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -28,6 +29,7 @@ from layout_oracle import dsv4_oracle_attention
 
 from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
 from mla_sm120_plugin.errors import UnsupportedConfiguration
+from mla_sm120_plugin.integration.vllm import dsv4
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import pack
 
@@ -60,6 +62,27 @@ def _model_dir(tmp_path) -> str:
         mlp_layer_types=["hash_moe", "moe", "moe"])
     cfg.architectures = ["DeepseekV4ForCausalLM"]
     cfg.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _v41_model_dir(tmp_path) -> str:
+    """V4.1 as vLLM reads it: its own DeepseekV41Config, text_config nested, ratios 0 / 1 / 2."""
+    from transformers import DeepseekV4Config
+
+    text = DeepseekV4Config(
+        vocab_size=256, hidden_size=1024, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=16,
+        num_key_value_heads=1, head_dim=512, q_lora_rank=256, o_lora_rank=256, o_groups=2, num_experts_per_tok=2,
+        n_routed_experts=4, n_shared_experts=1, max_position_embeddings=MAX_LEN, sliding_window=128,
+        index_n_heads=4, index_head_dim=128, index_topk=64, num_nextn_predict_layers=0,
+        layer_types=["sliding_attention"] * 3, mlp_layer_types=["hash_moe", "moe", "moe"]).to_dict()
+    for key in ("layer_types", "compress_rates", "architectures", "transformers_version", "_name_or_path",
+                "id2label", "label2id", "dtype"):
+        text.pop(key, None)
+    text.update(compress_ratios=[0, 1, 2], kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
+                model_type="deepseek_v41")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
+        "text_config": text, "vision_config": {}}))
     return str(tmp_path)
 
 
@@ -118,15 +141,16 @@ def sm(monkeypatch, one_rank):
     dsv4.reset_for_tests()
 
 
-def _build(cfg: VllmConfig) -> list:
-    """Each layer as ``DeepseekV4DecoderLayer.__init__`` builds its attention."""
-    import vllm.models.deepseek_v4.nvidia.model as v4model
+def _build(cfg: VllmConfig, version: str = "v4") -> list:
+    """Each layer as ``DeepseekV4DecoderLayer.__init__`` builds its attention (V4's or V4.1's module)."""
+    import importlib
 
+    model = importlib.import_module(f"vllm.models.deepseek_{version.replace('.', '')}.nvidia.model")
     with torch.device("cpu"):  # vLLM makes the indexer's buffer outside construction
         topk = torch.full((MAX_LEN, 64), -1, dtype=torch.int32)
     with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-        return [v4model._select_dsv4_attn_cls(cfg)(cfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk,
-                                                   aux_stream_list=None) for i in range(len(LAYER_TYPES))]
+        return [model._select_dsv4_attn_cls(cfg)(cfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk,
+                                                 aux_stream_list=None) for i in range(len(LAYER_TYPES))]
 
 
 def test_the_opt_in_gives_every_layer_the_plugins_class_and_without_it_vllms(model_dir, sm):
@@ -243,13 +267,25 @@ def _c128a_metadata(b: Batch, block: int):
     return md, glob, lens
 
 
-@pytest.mark.parametrize("index, qlens", [(0, MIXED), (2, DECODES)], ids=["window-mixed", "c128a-decode"])
-def test_a_forward_through_the_plugins_layer_matches_float64(model_dir, sm, index, qlens):
+def test_v41_layers_get_the_plugins_class_with_their_own_kinds(tmp_path, sm):
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import DeepseekV4FlashInferSM120Attention
+
+    sm(12, 1)
+    layers = _build(_vllm_config(_v41_model_dir(tmp_path)), "v4.1")
+    assert all(isinstance(layer, DeepseekV4FlashInferSM120Attention) for layer in layers)
+    assert [dsv4.layer_kind(layer) for layer in layers] == ["window", "c1a", "c2a"]
+    assert layers[0].swa_cache_layer.block_size == 32  # V4.1's window pages on SM12x
+    assert {layer._o_proj_block_size for layer in layers} <= {32, 128} and layers[0]._einsum_recipe is not None
+
+
+@pytest.mark.parametrize("version, index, qlens", [("v4", 0, MIXED), ("v4", 2, DECODES), ("v4.1", 0, MIXED)],
+                         ids=["window-mixed", "c128a-decode", "v41-window-mixed"])
+def test_a_forward_through_the_plugins_layer_matches_float64(model_dir, tmp_path, sm, version, index, qlens):
     from vllm.forward_context import set_forward_context
 
     sm(12, 0)
-    cfg = _vllm_config(model_dir)
-    layer = _build(cfg)[index]
+    cfg = _vllm_config(model_dir if version == "v4" else _v41_model_dir(tmp_path))
+    layer = _build(cfg, version)[index]
     b = Batch(qlens)
     swa = layer.swa_cache_layer
     swa_md, swa_idx, swa_len = _swa_metadata(b, swa.block_size, layer.window_size)
