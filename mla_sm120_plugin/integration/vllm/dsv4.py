@@ -146,11 +146,22 @@ def _refuse_context_parallel(vllm_config: Any) -> None:
 
 
 def plan_key(vllm_config: Any) -> tuple[Any, ...]:
+    """What a plan depends on: the model (a draft is planned on its own), parallelism, drafts, the
+    plugin config and the device capability. Not the cache dtype's spelling: the first layer rewrites
+    vLLM's ``fp8`` to ``fp8_ds_mla`` (the same record), and a refused one never makes a plan."""
+    import json
+
+    from vllm.platforms import current_platform
+
+    from ...config import ADDITIONAL_CONFIG_KEY
+
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
-    return (str(model_config.model), tuple(model_config.architectures or ()), str(vllm_config.cache_config.cache_dtype),
+    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return (str(model_config.model), tuple(model_config.architectures or ()),
             vllm_config.parallel_config.tensor_parallel_size, spec.num_speculative_tokens if spec else 0,
-            bool(getattr(vllm_config.attention_config, "use_non_causal", False)))
+            bool(getattr(vllm_config.attention_config, "use_non_causal", False)),
+            json.dumps(inline, sort_keys=True, default=str), str(current_platform.get_device_capability()))
 
 
 def plan_for(vllm_config: Any) -> Any:
