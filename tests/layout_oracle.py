@@ -201,20 +201,55 @@ def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_sca
 _DSV4_DATA, _DSV4_SCALES, _DSV4_NOPE, _DSV4_SCALE = 576, 8, 448, 512**-0.5
 
 
-def dsv4_oracle_row(cache: torch.Tensor, slot: int, page_size: int) -> list[float]:
-    """Slot ``slot``'s 512 values, read from the bytes."""
+# The NVFP4 record (FlashInfer's kv_cache_format="nvfp4"): data rows [P x 352] = 224 bytes of e2m1
+# pairs (even index in the low nibble) + 64 bf16; scale rows [P x 32] = 28 e4m3 scales + 4 zero bytes.
+_NVFP4_DATA, _NVFP4_SCALES, _NVFP4_NOPE_BYTES, _NVFP4_GROUP = 352, 32, 224, 16
+
+
+def dsv4_oracle_row(cache: torch.Tensor, slot: int, page_size: int, record: str = "fp8") -> list[float]:
+    """Slot ``slot``'s 512 values, read from the bytes (``record``: "fp8", the 584-byte record, or
+    "nvfp4", the 384-byte one)."""
     raw = cache.reshape(-1).tolist()
     stride = cache.shape[1]
     page, row = divmod(slot, page_size)
-    data_at = page * stride + row * _DSV4_DATA
-    scale_at = page * stride + page_size * _DSV4_DATA + row * _DSV4_SCALES
-    nope = [e4m3fn(raw[data_at + i]) * 2.0 ** (raw[scale_at + i // 64] - 127) for i in range(_DSV4_NOPE)]
-    rope = [bf16(struct.unpack_from("<H", bytes(raw[data_at + _DSV4_NOPE + 2 * i: data_at + _DSV4_NOPE + 2 * i + 2]))[0])
-            for i in range(64)]
+    if record == "nvfp4":
+        data_at = page * stride + row * _NVFP4_DATA
+        scale_at = page * stride + page_size * _NVFP4_DATA + row * _NVFP4_SCALES
+        nope = [e2m1((raw[data_at + i // 2] >> (4 * (i % 2))) & 0xF) * E4M3FN[raw[scale_at + i // _NVFP4_GROUP]]
+                for i in range(_DSV4_NOPE)]
+        rope_at = data_at + _NVFP4_NOPE_BYTES
+    else:
+        data_at = page * stride + row * _DSV4_DATA
+        scale_at = page * stride + page_size * _DSV4_DATA + row * _DSV4_SCALES
+        nope = [e4m3fn(raw[data_at + i]) * 2.0 ** (raw[scale_at + i // 64] - 127) for i in range(_DSV4_NOPE)]
+        rope_at = data_at + _DSV4_NOPE
+    rope = [bf16(struct.unpack_from("<H", bytes(raw[rope_at + 2 * i: rope_at + 2 * i + 2]))[0]) for i in range(64)]
     return nope + rope
 
 
-def dsv4_oracle_attention(q, parts, sinks) -> torch.Tensor:
+def encode_dsv4_nvfp4_row(values: list[float]) -> tuple[bytes, bytes]:
+    """FlashInfer's documented NVFP4 writer for one 512-value row (float32-representable values), in
+    Python floats: per 16 NoPE values ``sf = e4m3(f32(amax * f32(1/6)))`` (saturating, no floor),
+    ``q = f32(x * f32(1/sf))`` (0 when sf is 0), nibble = e2m1(q), even index low; the rope as bf16
+    bits (the values are bf16 already); 4 zero bytes after the 28 scales. Returns (data, scales)."""
+    assert len(values) == 512
+    data, scales = bytearray(_NVFP4_DATA), bytearray(_NVFP4_SCALES)
+    one_sixth = f32(1.0 / 6.0)
+    for group in range(_DSV4_NOPE // _NVFP4_GROUP):
+        chunk = values[group * _NVFP4_GROUP:(group + 1) * _NVFP4_GROUP]
+        byte = e4m3_byte(f32(max(abs(v) for v in chunk) * one_sixth))
+        scales[group] = byte
+        recip = 0.0 if E4M3FN[byte] == 0 else f32(1.0 / E4M3FN[byte])
+        for i, v in enumerate(chunk):
+            element = group * _NVFP4_GROUP + i
+            data[element // 2] |= e2m1_code(f32(v * recip)) << (4 * (element % 2))
+    for i, v in enumerate(values[_DSV4_NOPE:]):
+        bits = struct.unpack("<I", struct.pack("<f", v))[0] >> 16
+        data[_NVFP4_NOPE_BYTES + 2 * i: _NVFP4_NOPE_BYTES + 2 * i + 2] = struct.pack("<H", bits)
+    return bytes(data), bytes(scales)
+
+
+def dsv4_oracle_attention(q, parts, sinks, record: str = "fp8") -> torch.Tensor:
     """float64 attention; ``parts`` = [(cache, indices [T, K], lengths [T] or None, page_size)]."""
     tokens, heads, _ = q.shape
     out = torch.zeros(tokens, heads, 512, dtype=torch.float64)
@@ -227,7 +262,7 @@ def dsv4_oracle_attention(q, parts, sinks) -> torch.Tensor:
             for i in range(count):
                 idx = int(indices[t, i])
                 if 0 <= idx < capacity:
-                    rows.append(dsv4_oracle_row(cache, idx, page))
+                    rows.append(dsv4_oracle_row(cache, idx, page, record))
         if not rows:
             continue
         keys = torch.tensor(rows, dtype=torch.float64)

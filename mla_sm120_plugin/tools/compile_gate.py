@@ -64,12 +64,11 @@ FP8_MMA_KIND = "QMMA.SF.16832.F32.E4M3.E4M3.E8"  # the full-rate (block-scaled) 
 # variants compile but spill (255 registers, 4-24 bytes: the e2m1 decode's extra live values), a cost
 # no served configuration pays.
 SERVED_ONLY_ON = {layout.NVFP4_DS_MLA: (120, 121)}
-# The DeepSeek-V4 kernel: its variants' cache name, and the CTAs an SM12x SM must hold (its launch
-# puts one program on each (token, 16-head block): decode grids are small, latency is hidden by
-# a second resident CTA).
-DSV4_CACHE = "fp8_dsv4"
+# The DeepSeek-V4 kernel, and the warps an SM12x SM must hold resident (its launch puts one program
+# on each (token, 16-head block): decode grids are small, latency is hidden by a second resident
+# CTA of 4 warps, or one of 8).
 DSV4_KERNEL = "dsv4"
-DSV4_CTAS_PER_SM = 2
+DSV4_WARPS_PER_SM = 8
 _REPRESENTATIVE_TOKENS = 4  # strides below come from a [4, H, 576] q; any T > 1 specializes the same
 _REPRESENTATIVE_HEADS = 40  # not a multiple of 16, so head strides specialize as in the worst case
 
@@ -125,24 +124,28 @@ def launches() -> list[Any]:
 
 def dsv4_launches() -> list[Any]:
     """The DeepSeek-V4 kernel's variants as the engines call it (lengths and sinks always given): the
-    window cache alone and with a compressed cache; its page sizes and strides are runtime values."""
+    window cache alone and with a compressed cache, for each record it reads (the 584-byte fp8 one,
+    the 384-byte NVFP4 one); its page sizes and strides are runtime values."""
     import torch
 
+    from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
     from mla_sm120_plugin.kernels.dsv4 import pack as dsv4_pack
     from mla_sm120_plugin.kernels.dsv4 import triton as dsv4_triton
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
     q = torch.empty(tokens, heads, dsv4_triton.REC.head_dim, dtype=torch.bfloat16)
-    window, compressed = dsv4_pack.new_cache(2, 64), dsv4_pack.new_cache(2, 2)
     indices, lengths = torch.empty(tokens, 128, dtype=torch.int32), torch.empty(tokens, dtype=torch.int32)
     found = []
-    for extra in (False, True):
-        for launch in dsv4_triton.launch_plan(
-                q, torch.empty_like(q), window, indices, 64, sm_scale=0.04, swa_lengths=lengths,
-                extra_cache=compressed if extra else None, extra_indices=indices if extra else None,
-                extra_lengths=lengths if extra else None, extra_page_size=2 if extra else None,
-                sinks=torch.empty(heads)):
-            found.append(dataclasses.replace(launch, describe={**launch.describe, "cache": DSV4_CACHE}))
+    for record in dsv4_layout.ALL_RECORDS.values():
+        window = dsv4_pack.new_cache(2, 64, record=record)
+        compressed = dsv4_pack.new_cache(2, 2, record=record)
+        for extra in (False, True):
+            for launch in dsv4_triton.launch_plan(
+                    q, torch.empty_like(q), window, indices, 64, sm_scale=0.04, swa_lengths=lengths,
+                    extra_cache=compressed if extra else None, extra_indices=indices if extra else None,
+                    extra_lengths=lengths if extra else None, extra_page_size=2 if extra else None,
+                    sinks=torch.empty(heads), record=record):
+                found.append(dataclasses.replace(launch, describe={**launch.describe, "cache": record.name}))
     return found
 
 
@@ -307,9 +310,10 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{r['variant']}: spills ({r['spill_bytes']} B spilled, {r['stack_bytes']} B stack)")
         if r["shared_bytes"] > ARCHES[arch]:
             failures.append(f"{r['variant']}: {r['shared_bytes']} B of shared memory > {ARCHES[arch]} B a block")
-        if r["kernel"] == DSV4_KERNEL and arch in FP8_MMA_ARCHES and r["ctas_per_sm"] < DSV4_CTAS_PER_SM:
-            failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {DSV4_CTAS_PER_SM}; limited by "
-                            f"{r['ctas_limited_by']})")
+        if (r["kernel"] == DSV4_KERNEL and arch in FP8_MMA_ARCHES
+                and r["ctas_per_sm"] * r["warps"] < DSV4_WARPS_PER_SM):
+            failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA of {r['warps']} warps per SM (< "
+                            f"{DSV4_WARPS_PER_SM} resident warps; limited by {r['ctas_limited_by']})")
         if r["kernel"] == FAST_KERNEL and arch in FP8_MMA_ARCHES:
             qmma = {kind for kind in r["mma"] if kind.startswith("QMMA")}
             if qmma != {FP8_MMA_KIND}:

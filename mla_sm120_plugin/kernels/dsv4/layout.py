@@ -49,6 +49,9 @@ UE8M0_BIAS = 127
 AMAX_FLOOR = 1e-4  # the writers' floor on a group's amax: an all-zero group stores exponent -22
 
 FP8_DSV4 = "fp8_dsv4"
+NVFP4_DSV4 = "nvfp4_dsv4"
+NVFP4_GROUP = 16  # NoPE values one e4m3 scale covers in the NVFP4 record
+NVFP4_MAX = 6.0  # the largest e2m1 magnitude
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Dsv4Record:
     :param scale_group: NoPE values one scale covers.
     :param page_align: a page's bytes are a multiple of this.
     :param written_by: which engine and writer fills it.
+    :param nope_bits: bits a NoPE value takes (8: e4m3; 4: e2m1, two a byte, even index low).
     """
 
     name: str
@@ -75,6 +79,7 @@ class Dsv4Record:
     scale_group: int
     page_align: int
     written_by: str
+    nope_bits: int = 8
 
     @property
     def head_dim(self) -> int:
@@ -84,6 +89,11 @@ class Dsv4Record:
     @property
     def num_scales(self) -> int:
         return self.nope // self.scale_group
+
+    @property
+    def nope_bytes(self) -> int:
+        """Bytes the quantized NoPE values take at the start of a data row."""
+        return self.nope * self.nope_bits // 8
 
     def page_bytes(self, page_size: int) -> int:
         """The least page stride for ``page_size`` entries (the engines' padded page)."""
@@ -101,7 +111,7 @@ class Dsv4Record:
         return page * page_stride + page_size * self.data_bytes + row * self.scale_bytes
 
     def __post_init__(self) -> None:
-        if (self.data_bytes != self.nope + 2 * self.rope or self.token_bytes != self.data_bytes + self.scale_bytes
+        if (self.data_bytes != self.nope_bytes + 2 * self.rope or self.token_bytes != self.data_bytes + self.scale_bytes
                 or self.nope % self.scale_group or self.scale_bytes < self.num_scales):
             raise ValueError(f"Dsv4Record {self.name!r}: data {self.data_bytes}, scales {self.scale_bytes}, token "
                              f"{self.token_bytes} bytes do not hold {self.nope} + {self.rope} values")
@@ -111,4 +121,14 @@ FP8_RECORD = Dsv4Record(FP8_DSV4, TOKEN_BYTES, DATA_ROW_BYTES, SCALE_ROW_BYTES, 
                         PAGE_ALIGN, "vLLM's fused qnorm/rope/quant insert and its compressor (fp8_ds_mla); "
                         "SGLang's DeepSeek-V4 pool (fp8_e4m3)")
 
+# FlashInfer 0.7.2's SM120/SM121 NVFP4 DeepSeek-V4 record (kv_cache_format="nvfp4"): 224 bytes of
+# e2m1 NoPE (even index in the low nibble), 64 bf16 rope; 28 e4m3 scales, one per 16 NoPE values
+# (e4m3(amax / 6), no power-of-two rounding), then 4 zero bytes. Page strides: multiples of 16.
+NVFP4_RECORD = Dsv4Record(NVFP4_DSV4, 384, 352, 32, NOPE_DIM, ROPE_DIM, NVFP4_GROUP, 16,
+                          "FlashInfer's nvfp4_quantize_append_sparse_mla_cache and its fused SM120 writers; no "
+                          "engine release writes it", nope_bits=4)
+
 RECORDS: dict[str, Dsv4Record] = {FP8_RECORD.name: FP8_RECORD}
+# Not in RECORDS (what the plan serves) until an engine writes it: the record, its packer and its
+# reference exist; see the NVFP4 issue.
+ALL_RECORDS: dict[str, Dsv4Record] = {r.name: r for r in (FP8_RECORD, NVFP4_RECORD)}

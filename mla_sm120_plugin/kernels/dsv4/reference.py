@@ -30,13 +30,14 @@ def _bad(given: str, supported: str, fix: str) -> KernelInputError:
 
 
 def _check_part(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
-                page_size: int, tokens: int) -> None:
+                page_size: int, tokens: int, record: layout.Dsv4Record) -> None:
     if cache.dim() != 2 or cache.dtype != torch.uint8:
         raise _bad(f"{name}_cache of shape {tuple(cache.shape)}, dtype {cache.dtype}",
-                   "[pages, page_stride] uint8 (page-major 584-byte records)", "pass the engine's cache as bytes")
-    if not isinstance(page_size, int) or page_size < 1 or cache.shape[1] < page_size * REC.token_bytes:
+                   f"[pages, page_stride] uint8 (page-major {record.token_bytes}-byte records)",
+                   "pass the engine's cache as bytes")
+    if not isinstance(page_size, int) or page_size < 1 or cache.shape[1] < page_size * record.token_bytes:
         raise _bad(f"{name}_page_size={page_size!r} for pages of {cache.shape[1]} bytes",
-                   f"a positive page size with page_size x {REC.token_bytes} <= page bytes",
+                   f"a positive page size with page_size x {record.token_bytes} <= page bytes",
                    "pass the cache's own page size (entries a page)")
     if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype not in (torch.int32, torch.int64):
         raise _bad(f"{name}_indices of shape {tuple(indices.shape)}, dtype {indices.dtype}",
@@ -47,7 +48,7 @@ def _check_part(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: 
 
 
 def _part(cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
-          page_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+          page_size: int, dtype: torch.dtype, record: layout.Dsv4Record) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized candidate rows [T, K, 512] (zeros where masked) and the mask [T, K]."""
     idx = indices.to(torch.int64)
     capacity = cache.shape[0] * page_size
@@ -56,7 +57,7 @@ def _part(cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | No
         pos = torch.arange(idx.shape[1], device=idx.device)
         valid &= pos[None, :] < lengths.to(torch.int64)[:, None]
     safe = torch.where(valid, idx, torch.zeros_like(idx))
-    rows = pack.gather(cache, safe.reshape(-1), page_size).reshape(*idx.shape, REC.head_dim).to(dtype)
+    rows = pack.gather(cache, safe.reshape(-1), page_size, record).reshape(*idx.shape, REC.head_dim).to(dtype)
     return torch.where(valid[..., None], rows, torch.zeros_like(rows)), valid
 
 
@@ -74,6 +75,7 @@ def dsv4_attention_reference(
     extra_page_size: int | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    record: layout.Dsv4Record = REC,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache.
 
@@ -89,6 +91,7 @@ def dsv4_attention_reference(
     :param extra_lengths: [T] int32 or None.
     :param extra_page_size: entries a compressed page holds.
     :param sinks: [H] float32 sink logits (natural log), or None.
+    :param record: the caches' record (:data:`.layout.FP8_RECORD`, or :data:`.layout.NVFP4_RECORD`).
     :param return_lse: also return the natural-log LSE of the scores ([T, H] fp32, sink excluded;
         -inf for a token with no candidate).
     :returns: [T, H, 512] bf16, float64 for a float64 q (and the LSE).
@@ -98,13 +101,13 @@ def dsv4_attention_reference(
         raise _bad(f"q of shape {tuple(q.shape)}, dtype {q.dtype}", f"[T, H, {REC.head_dim}] bf16",
                    "pass the layer's queries (after norm and rope)")
     tokens, heads, _ = q.shape
-    _check_part("swa", swa_cache, swa_indices, swa_lengths, swa_page_size, tokens)
+    _check_part("swa", swa_cache, swa_indices, swa_lengths, swa_page_size, tokens, record)
     if (extra_cache is None) != (extra_indices is None):
         raise _bad("only one of extra_cache / extra_indices", "both or neither", "pass the compressed cache with its indices")
     if extra_cache is not None:
         if extra_page_size is None:
             raise _bad("extra_page_size=None with a compressed cache", "its page size", "pass extra_page_size")
-        _check_part("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, tokens)
+        _check_part("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, tokens, record)
     if sinks is not None and (sinks.shape != (heads,) or not sinks.dtype.is_floating_point):
         raise _bad(f"sinks of shape {tuple(sinks.shape)}, dtype {sinks.dtype}", f"[{heads}] float32", "one logit a head")
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -115,11 +118,11 @@ def dsv4_attention_reference(
     for start in range(0, tokens, _CHUNK_TOKENS):
         end = min(start + _CHUNK_TOKENS, tokens)
         rows, valid = _part(swa_cache, swa_indices[start:end], None if swa_lengths is None else swa_lengths[start:end],
-                            swa_page_size, work)
+                            swa_page_size, work, record)
         if extra_cache is not None:
             extra_rows, extra_valid = _part(extra_cache, extra_indices[start:end],
                                             None if extra_lengths is None else extra_lengths[start:end], extra_page_size,
-                                            work)
+                                            work, record)
             rows, valid = torch.cat([rows, extra_rows], 1), torch.cat([valid, extra_valid], 1)
         scores = torch.einsum("thd,tkd->thk", q[start:end].to(work), rows) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

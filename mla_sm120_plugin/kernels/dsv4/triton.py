@@ -41,6 +41,10 @@ _GROUP: tl.constexpr = tl.constexpr(layout.SCALE_GROUP)
 _DATA: tl.constexpr = tl.constexpr(layout.DATA_ROW_BYTES)
 _SCALES: tl.constexpr = tl.constexpr(layout.SCALE_ROW_BYTES)
 _LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)
+_FP4_DATA: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.data_bytes)
+_FP4_SCALES: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.scale_bytes)
+_FP4_NOPE_BYTES: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.nope_bytes)
+_FP4_GROUP: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.scale_group)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,15 @@ class Dsv4Config:
 
 
 DEFAULT = Dsv4Config()
+# The NVFP4 record's e2m1 decode keeps more values live: at 4 warps the [16, 512] key tile spills
+# (255 registers); at 8 warps it fits (128 / 156 registers, no spill), and one CTA of 8 warps an SM
+# is the fp8 launch's 2 x 4 resident warps.
+NVFP4_DEFAULT = Dsv4Config(num_warps=8)
+
+
+def default_config(record: layout.Dsv4Record) -> Dsv4Config:
+    """The launch shape for caches of ``record``."""
+    return NVFP4_DEFAULT if record.nope_bits == 4 else DEFAULT
 
 
 @triton.jit
@@ -63,27 +76,53 @@ def _scale_of(byte):
 
 
 @triton.jit
+def _e2m1(code):
+    """The value of e2m1 nibbles (int32 0..15: sign bit 3, exponent bits 2-1 with bias 1, mantissa
+    bit 0) as fp32, built from the bits: exponent e > 0 is 2**(e - 1) * (1 + m / 2), e = 0 is m / 2."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity, m_i, l_i, acc, qk_scale_log2,
-            BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+            BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, NVFP4: tl.constexpr):
     """Fold the first ``n`` candidates of one index row of one cache into the softmax state."""
     cols = tl.arange(0, _HEAD)
     nope = cols < _NOPE
     cache_f8 = cache_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     cache_b16 = cache_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    if NVFP4:  # 224 bytes of e2m1 pairs + 64 bf16; 28 e4m3 scales (one per 16) + 4 pad bytes
+        data_bytes: tl.constexpr = _FP4_DATA
+        scale_bytes: tl.constexpr = _FP4_SCALES
+        rope_at: tl.constexpr = _FP4_NOPE_BYTES
+    else:  # 448 e4m3 + 64 bf16; 7 UE8M0 exponents (one per 64) + 1 pad byte
+        data_bytes: tl.constexpr = _DATA
+        scale_bytes: tl.constexpr = _SCALES
+        rope_at: tl.constexpr = _NOPE
     for start in range(0, n, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + idx_row + pos, mask=pos < n, other=-1)
         valid = (idx >= 0) & (idx < capacity)
         slot = tl.where(valid, idx, 0).to(tl.int64)
         base = (slot // page_size) * page_stride
-        data = base + (slot % page_size) * _DATA
-        scales = base + page_size * _DATA + (slot % page_size) * _SCALES
+        data = base + (slot % page_size) * data_bytes
+        scales = base + page_size * data_bytes + (slot % page_size) * scale_bytes
         in_nope = valid[:, None] & nope[None, :]
-        byte = tl.load(cache_ptr + scales[:, None] + cols[None, :] // _GROUP, mask=in_nope, other=0)
-        value = tl.load(cache_f8 + data[:, None] + cols[None, :], mask=in_nope, other=0.0).to(tl.float32)
-        rope = tl.load(cache_b16 + (data[:, None] + _NOPE) // 2 + (cols[None, :] - _NOPE),
+        if NVFP4:
+            packed = tl.load(cache_ptr + data[:, None] + cols[None, :] // 2, mask=in_nope, other=0)
+            code = ((packed >> ((cols[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.int32)
+            scale = tl.load(cache_f8 + scales[:, None] + cols[None, :] // _FP4_GROUP, mask=in_nope,
+                            other=0.0).to(tl.float32)
+            value = _e2m1(code) * scale  # <= 6 significant bits: exact in bf16
+        else:
+            byte = tl.load(cache_ptr + scales[:, None] + cols[None, :] // _GROUP, mask=in_nope, other=0)
+            value = tl.load(cache_f8 + data[:, None] + cols[None, :], mask=in_nope, other=0.0).to(tl.float32)
+            value = value * _scale_of(byte)
+        rope = tl.load(cache_b16 + (data[:, None] + rope_at) // 2 + (cols[None, :] - _NOPE),
                        mask=valid[:, None] & (cols[None, :] >= _NOPE), other=0.0).to(tl.float32)
-        k = tl.where(nope[None, :], value * _scale_of(byte), rope)  # [BLOCK_N, 512], exact in bf16
+        k = tl.where(nope[None, :], value, rope)  # [BLOCK_N, 512], exact in bf16
         s = _dot(q, tl.trans(k), DOT_BF16) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,7 +144,7 @@ def _dsv4_kernel(
     extra_idx_stride, extra_width, extra_page, extra_page_stride, extra_capacity,
     qk_scale_log2,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, NVFP4: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -120,13 +159,14 @@ def _dsv4_kernel(
     if HAS_SWA_LEN:
         n = tl.minimum(tl.maximum(tl.load(swa_len_ptr + tok), 0), swa_width)
     m_i, l_i, acc = _attend(q, swa_ptr, swa_idx_ptr, tok * swa_idx_stride, n, swa_page, swa_page_stride,
-                            swa_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16)
+                            swa_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16, NVFP4)
     if HAS_EXTRA:
         n = extra_width
         if HAS_EXTRA_LEN:
             n = tl.minimum(tl.maximum(tl.load(extra_len_ptr + tok), 0), extra_width)
         m_i, l_i, acc = _attend(q, extra_ptr, extra_idx_ptr, tok * extra_idx_stride, n, extra_page,
-                                extra_page_stride, extra_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16)
+                                extra_page_stride, extra_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16,
+                                NVFP4)
     if HAS_SINK:
         # the sink is a natural-log logit; the scores are base 2
         sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * _LOG2E_K
@@ -146,14 +186,14 @@ def _interpreting() -> bool:
 
 
 def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
-                 page_size: int, q: torch.Tensor) -> None:
+                 page_size: int, q: torch.Tensor, record: layout.Dsv4Record = REC) -> None:
     if cache.dim() != 2 or cache.dtype != torch.uint8 or cache.stride(1) != 1 or cache.device != q.device:
         raise _bad(f"{name}_cache of shape {tuple(cache.shape)}, dtype {cache.dtype}, device {cache.device}",
                    f"[pages, page_stride] uint8 with contiguous pages on q's device ({q.device})",
                    "pass the engine's cache as a 2-D byte view: cache.view(num_pages, -1)")
-    if not isinstance(page_size, int) or page_size < 1 or cache.shape[1] < page_size * REC.token_bytes:
+    if not isinstance(page_size, int) or page_size < 1 or cache.shape[1] < page_size * record.token_bytes:
         raise _bad(f"{name}_page_size={page_size!r} for pages of {cache.shape[1]} bytes",
-                   f"a positive page size with page_size x {REC.token_bytes} <= the page's bytes",
+                   f"a positive page size with page_size x {record.token_bytes} <= the page's bytes",
                    "pass the cache's own page size (entries a page)")
     if cache.stride(0) % 2 or cache.data_ptr() % 2:
         raise _bad(f"{name}_cache page stride {cache.stride(0)} bytes at address {cache.data_ptr():#x}",
@@ -170,8 +210,10 @@ def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths:
 
 def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_lengths=None, extra_cache=None,
                 extra_indices=None, extra_lengths=None, extra_page_size=None, sinks=None,
-                cfg: Dsv4Config = DEFAULT, interpret: bool = False) -> list[Launch]:
+                cfg: Dsv4Config | None = None, interpret: bool = False,
+                record: layout.Dsv4Record = REC) -> list[Launch]:
     """The launch of one call (what :func:`dsv4_attention` runs and the compile gate compiles)."""
+    cfg = cfg or default_config(record)
     tokens, heads, _ = q.shape
     extra = extra_cache is not None
     dummy = swa_indices
@@ -189,12 +231,13 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
               extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
               extra_cache.shape[0] * extra_page_size if extra else 0,
               sm_scale * _LOG2E),
-        constexprs=dict(HAS_EXTRA=extra, HAS_SINK=sinks is not None, HAS_SWA_LEN=swa_lengths is not None,
+        constexprs=dict(NVFP4=record.nope_bits == 4, HAS_EXTRA=extra, HAS_SINK=sinks is not None,
+                        HAS_SWA_LEN=swa_lengths is not None,
                         HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,
                         BLOCK_N=cfg.block_n, DOT_BF16=not interpret),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        describe=dict(kernel="dsv4", extra=extra, sink=sinks is not None, out=str(out.dtype).replace("torch.", ""),
+        describe=dict(kernel="dsv4", record=record.name, extra=extra, sink=sinks is not None, out=str(out.dtype).replace("torch.", ""),
                       block_h=cfg.block_h, block_n=cfg.block_n, warps=cfg.num_warps),
     )]
 
@@ -214,6 +257,7 @@ def dsv4_attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: Dsv4Config | None = None,
+    record: layout.Dsv4Record = REC,
 ) -> torch.Tensor:
     """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache (Triton).
 
@@ -223,20 +267,22 @@ def dsv4_attention(
     views of even page stride; int64 lengths and float64 sinks are converted here.
 
     :param out: [T, H, 512] output to write (q's dtype by default).
-    :param config: launch shape; :data:`DEFAULT` by default.
+    :param config: launch shape; :func:`default_config` of the record by default.
+    :param record: the caches' record: :data:`.layout.FP8_RECORD` (584 bytes) or
+        :data:`.layout.NVFP4_RECORD` (384 bytes: e2m1 x e4m3 NoPE, exact in bf16 too).
     :returns: ``out``: [T, H, 512] in q's dtype (no LSE).
     :raises KernelInputError: a tensor of the wrong shape, dtype, device or alignment.
     """
     if q.dim() != 3 or q.shape[2] != REC.head_dim or q.dtype not in (torch.bfloat16, torch.float32):
         raise _bad(f"q of shape {tuple(q.shape)}, dtype {q.dtype}", f"[T, H, {REC.head_dim}] bf16",
                    "pass the layer's queries (after its norm and rope)")
-    _check_cache("swa", swa_cache, swa_indices, swa_lengths, swa_page_size, q)
+    _check_cache("swa", swa_cache, swa_indices, swa_lengths, swa_page_size, q, record)
     if (extra_cache is None) != (extra_indices is None) or (extra_cache is not None and extra_page_size is None):
         raise _bad("a compressed cache without its indices or page size (or indices without a cache)",
                    "extra_cache, extra_indices and extra_page_size together, or none of them",
                    "pass all three for a compressed layer")
     if extra_cache is not None:
-        _check_cache("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, q)
+        _check_cache("extra", extra_cache, extra_indices, extra_lengths, extra_page_size, q, record)
     if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point):
         raise _bad(f"sinks of shape {tuple(sinks.shape)}, dtype {sinks.dtype}", f"[{q.shape[1]}] float32",
                    "one logit a head (padded heads: -inf)")
@@ -257,6 +303,6 @@ def dsv4_attention(
     for launch in launch_plan(q, out, swa_cache, swa_indices, swa_page_size, sm_scale=sm_scale,
                               swa_lengths=swa_lengths, extra_cache=extra_cache, extra_indices=extra_indices,
                               extra_lengths=extra_lengths, extra_page_size=extra_page_size, sinks=sinks,
-                              cfg=config or DEFAULT, interpret=interpret):
+                              cfg=config, interpret=interpret, record=record):
         launch.run()
     return out
