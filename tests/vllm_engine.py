@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 from vllm.config import (
+    AttentionConfig,
     CacheConfig,
     DeviceConfig,
     ModelConfig,
@@ -47,17 +48,20 @@ GEOMETRY = {
 
 def make_vllm_config(model_dir: str, *, cache_dtype: str = "fp8_ds_mla", tp: int = 1,
                      additional_config: dict | None = None, enforce_eager: bool = False,
-                     max_num_seqs: int = 256, max_num_batched_tokens: int = 4096) -> VllmConfig:
-    """A real VllmConfig for the tiny model in ``model_dir``, on vLLM's CPU device config."""
+                     max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, block_size: int = 64,
+                     attention_backend: str | None = None) -> VllmConfig:
+    """A real VllmConfig for the tiny model in ``model_dir``, on vLLM's CPU device config
+    (``attention_backend``: what ``--attention-backend`` lands as; None: vLLM's default)."""
     model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
                                max_model_len=4096, enforce_eager=enforce_eager)
     return VllmConfig(
         model_config=model_config,
         device_config=DeviceConfig("cpu"),
-        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=64),
+        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=block_size),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=4096, is_encoder_decoder=False),
+        attention_config=AttentionConfig(backend=attention_backend) if attention_backend else AttentionConfig(),
         additional_config=additional_config or {},
     )
 

@@ -29,7 +29,7 @@ from ..kernels.accuracy import measure
 from ..kernels.dsv4 import layout, pack
 from ..kernels.dsv4.reference import dsv4_attention_reference
 from . import selfcheck
-from .binding import _import_entry
+from .binding import bind
 
 REC = layout.FP8_RECORD
 # What vLLM gives FlashInfer's DeepSeek-V4 kernels a device (_FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE);
@@ -56,14 +56,9 @@ def pages_of(name: str, cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tens
         raise _bad(name, f"shape {tuple(cache.shape)}, dtype {cache.dtype}",
                    f"[pages, P, 1, {REC.token_bytes}] uint8 or float8_e4m3fn (NHD; HND: [pages, 1, P, "
                    f"{REC.token_bytes}])", "pass the engine's DeepSeek-V4 cache view")
-    if cache.dim() == 3:
-        page_size = cache.shape[1]
-    elif kv_layout == "NHD":
-        page_size = cache.shape[1]
-    elif kv_layout == "HND":
-        page_size = cache.shape[2]
-    else:
+    if cache.dim() == 4 and kv_layout not in ("NHD", "HND"):
         raise _bad("kv_layout", repr(kv_layout), "'NHD' or 'HND'", "pass the layout the engine passes FlashInfer")
+    page_size = cache.shape[2] if cache.dim() == 4 and kv_layout == "HND" else cache.shape[1]
     if cache.dim() == 4 and (cache.shape[1] if kv_layout == "HND" else cache.shape[2]) != 1:
         raise _bad(name, f"shape {tuple(cache.shape)} under kv_layout={kv_layout}", "one KV head",
                    "pass the engine's cache view (DeepSeek-V4 caches one 512-wide row a token)")
@@ -312,7 +307,7 @@ def verify(kind: str, decision: Any, engine_fns: dict[str, Callable[..., Any]], 
     for phase, name in decision.kernels.items():
         tried: list[Dsv4CheckResult] = []
         for candidate in (name, *(() if check_mode == "strict" else decision.alternates.get(phase, ()))):
-            fn = engine_fns.get(candidate) or _import_entry(_entry(candidate))
+            fn = engine_fns.get(candidate) or bind(candidate).fn
             result = check(candidate, fn, num_heads=heads[phase], window_page=window_page, extra_page=extra_page,
                            device=device)
             tried.append(result)
@@ -330,9 +325,3 @@ def verify(kind: str, decision: Any, engine_fns: dict[str, Callable[..., Any]], 
                 "force another kernel (decode_kernel / prefill_kernel in the plugin config), fix or update the failing "
                 f"kernel's package, or set {selfcheck.ENV}=off to skip the check (at your own risk)"))
     return kernels, f"mla_sm120: {kind} self-check: {'; '.join(parts)}; {time.perf_counter() - start:.2f} s"
-
-
-def _entry(name: str) -> str:
-    from ..hooks.manager import get_registry
-
-    return get_registry().kernels[name].entry

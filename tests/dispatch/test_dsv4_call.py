@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mla_sm120_plugin.dispatch import dsv4
-from mla_sm120_plugin.dispatch.binding import bind
+from mla_sm120_plugin.dispatch.binding import BoundKernel, bind
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
@@ -139,7 +139,8 @@ def test_verify_falls_back_to_the_triton_kernel_when_flashinfers_fails_here():
 def test_verify_refuses_when_every_kernel_fails(monkeypatch):
     decision = _plan(precision="exact").decisions["window"]
     assert decision.kernels["decode"] == TRITON_DSV4
-    monkeypatch.setattr("mla_sm120_plugin.dispatch.dsv4._import_entry", lambda entry: _one_percent_off)
+    monkeypatch.setattr("mla_sm120_plugin.dispatch.dsv4.bind",
+                        lambda name: BoundKernel(name, _one_percent_off, False, False, True))
     with pytest.raises(UnsupportedConfiguration) as err:
         dsv4.verify("window", decision, {}, window_page=64, extra_page=0, device=CPU)
     assert "DeepSeek-V4 window prefill kernel triton_dsv4 failed its self-check" in str(err.value)

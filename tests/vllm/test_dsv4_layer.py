@@ -33,21 +33,12 @@ from mla_sm120_plugin.integration.vllm import dsv4
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import pack
 
-from vllm.config import (  # noqa: E402
-    AttentionConfig,
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+from vllm_engine import construction_context, make_vllm_config  # noqa: E402
 
-MAX_LEN = 4096
+MAX_LEN = 4096  # make_vllm_config's max_model_len
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
@@ -87,17 +78,10 @@ def _v41_model_dir(tmp_path) -> str:
 
 
 def _vllm_config(model_dir: str, *, custom: bool = True, additional_config: dict | None = None) -> VllmConfig:
-    return VllmConfig(
-        model_config=ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                                 max_model_len=MAX_LEN, enforce_eager=True),
-        device_config=DeviceConfig("cpu"),
-        cache_config=CacheConfig(cache_dtype="fp8", block_size=256),  # DeepSeek-V4's only kernel block size
-        parallel_config=ParallelConfig(tensor_parallel_size=1),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=MAX_LEN, max_model_len=MAX_LEN,
-                                         is_encoder_decoder=False),
-        attention_config=AttentionConfig(backend="CUSTOM") if custom else AttentionConfig(),
-        additional_config=additional_config or {},
-    )
+    # DeepSeek-V4's only kernel block size is 256; "fp8" is what --kv-cache-dtype fp8 gives
+    return make_vllm_config(model_dir, cache_dtype="fp8", block_size=256, enforce_eager=True, max_num_seqs=16,
+                            max_num_batched_tokens=MAX_LEN, attention_backend="CUSTOM" if custom else None,
+                            additional_config=additional_config)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +132,7 @@ def _build(cfg: VllmConfig, version: str = "v4", layers: tuple[int, ...] = (0, 1
     model = importlib.import_module(f"vllm.models.deepseek_{version.replace('.', '')}.nvidia.model")
     with torch.device("cpu"):  # vLLM makes the indexer's buffer outside construction
         topk = torch.full((MAX_LEN, 64), -1, dtype=torch.int32)
-    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+    with construction_context(cfg, "cpu"):
         return [model._select_dsv4_attn_cls(cfg)(cfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk,
                                                  aux_stream_list=None) for i in layers]
 

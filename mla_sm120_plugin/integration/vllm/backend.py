@@ -69,16 +69,23 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
     )
 
 
-def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
-    """The selection context for vLLM's config on a device of capability ``major.minor``."""
+def model_and_settings(vllm_config: Any, hf_config: Any) -> tuple[Any, Any]:
+    """The model's facts from ``hf_config`` (named and archited as vLLM serves it) and the plugin
+    settings for it (``--additional-config mla_sm120``, then the environment's config)."""
     model_config = vllm_config.model_config
     reg = get_registry()
-    hf = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
-    facts = facts_from_hf_config(hf, name=str(model_config.model), registry=reg)
+    facts = facts_from_hf_config(hf_config, name=str(model_config.model), registry=reg)
     if model_config.architectures:
         facts = dataclasses.replace(facts, arch=model_config.architectures[0])
     inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    settings = plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+    return facts, plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+
+
+def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
+    """The selection context for vLLM's config on a device of capability ``major.minor``."""
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
+    facts, settings = model_and_settings(vllm_config, hf)
     return build_context(facts, settings, device_mod.from_capability(major, minor), kv_cache_dtype,
                          engine_limits(vllm_config))
 

@@ -179,37 +179,27 @@ def plan_for(vllm_config: Any) -> Any:
 
 
 def _plan(vllm_config: Any) -> Any:
-    import dataclasses
-
     from vllm.platforms import current_platform
 
-    from ...config import ADDITIONAL_CONFIG_KEY
-    from ...context import plugin_config
     from ...device import from_capability
     from ...dsv4_plan import plan
     from ...errors import UnsupportedConfiguration, format_error
     from ...hooks.manager import get_registry
-    from ...modelinfo import facts_from_hf_config
-    from .backend import engine_limits
+    from .backend import engine_limits, model_and_settings
 
     cap = current_platform.get_device_capability()
     if cap is None:
         raise UnsupportedConfiguration(format_error(
             "--attention-backend CUSTOM for DeepSeek-V4: vLLM's platform reports no GPU compute capability",
             "an NVIDIA SM120/SM121 GPU", "run on an SM12x GPU, or serve without --attention-backend CUSTOM"))
-    model_config = vllm_config.model_config
-    reg = get_registry()
-    facts = facts_from_hf_config(model_config.hf_config, name=str(model_config.model), registry=reg)
-    if model_config.architectures:
-        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
-    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    settings = plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+    # the whole config: V4.1's layer list may sit under its text_config, which the reader looks into
+    facts, settings = model_and_settings(vllm_config, vllm_config.model_config.hf_config)
     spec = vllm_config.speculative_config
     drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
     # vLLM widens decode window rows for a non-causal (DSpark) draft only (_required_sm120_sparse_topk).
     non_causal = bool(getattr(vllm_config.attention_config, "use_non_causal", False)) and spec is not None
     return plan(facts, settings, from_capability(cap.major, cap.minor), vllm_config.cache_config.cache_dtype,
-                engine_limits(vllm_config), speculative_tokens=drafts, dspark=non_causal, registry=reg)
+                engine_limits(vllm_config), speculative_tokens=drafts, dspark=non_causal, registry=get_registry())
 
 
 # ------------------------------------------------------------------------------ the layer class
