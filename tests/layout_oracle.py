@@ -274,3 +274,34 @@ def dsv4_oracle_attention(q, parts, sinks, record: str = "fp8") -> torch.Tensor:
             denom = float(w.sum()) + (math.exp(sink - m) if sink != -math.inf else 0.0)
             out[t, h] = (w[:, None] * keys).sum(0) / denom
     return out
+
+
+def dsv4_roped_bf16(row: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's KV rope (FACTS §14: GPT-J pairs over the last 64 values, in fp32), then bf16:
+    ``row`` [512] fp32, ``cos`` / ``sin`` [32] -> [512] bfloat16 (the NoPE values only rounded)."""
+    out = row.float().clone()
+    even, odd = row[448::2].float(), row[449::2].float()
+    cos, sin = cos.float(), sin.float()
+    out[448::2] = even * cos - odd * sin
+    out[449::2] = odd * cos + even * sin
+    return out.to(torch.bfloat16)
+
+
+def dsv4_compressed_row(kv: list[torch.Tensor | None], score: list[torch.Tensor | None], weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """One compressed entry in float64: the states' per-value softmax over ``score`` weighting ``kv``
+    (None: a state before position 0, left out), summed, then RMS-normed with ``weight``: [512] fp32."""
+    kept = [i for i, k in enumerate(kv) if k is not None]
+    k = torch.stack([kv[i].double() for i in kept])
+    s = torch.stack([score[i].double() for i in kept])
+    c = (k * torch.softmax(s, dim=0)).sum(0)
+    return (c * torch.rsqrt(c.square().mean() + eps) * weight.double()).float()
+
+
+def dsv4_nvfp4_entry(cache: torch.Tensor, slot: int, page_size: int) -> tuple[bytes, bytes]:
+    """(data, scale) bytes of ``slot`` in a [pages, page_stride] (or any page-major view) 384-byte cache."""
+    flat = cache.reshape(cache.shape[0], -1)
+    page, row = divmod(slot, page_size)
+    data = flat[page, row * _NVFP4_DATA:(row + 1) * _NVFP4_DATA]
+    at = page_size * _NVFP4_DATA + row * _NVFP4_SCALES
+    return bytes(data.tolist()), bytes(flat[page, at:at + _NVFP4_SCALES].tolist())
