@@ -27,7 +27,7 @@ from . import config as config_mod
 from .context import EngineLimits, build_context
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
-from .kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, RECORDS
+from .kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, NVFP4_DSV4, NVFP4_RECORD, RECORDS, Dsv4Record
 from .modelinfo import Dsv4Geometry, ModelFacts
 from .selection import decision_to_dict, explain
 from .selection import select as select_kernels
@@ -57,6 +57,7 @@ class Dsv4Engine:
     :param name: the engine key (``"vllm"``, ``"sglang"``).
     :param label: how messages name it.
     :param kv_spellings: ``--kv-cache-dtype`` values that give the 584-byte record.
+    :param nvfp4_spellings: values that give the 384-byte NVFP4 record with the plugin's opt-in.
     :param kv_refused: values the engine itself refuses for DeepSeek-V4, and how it fails.
     :param window_page: model version -> entries a window-cache page holds, as the kernel sees it.
     :param compressed_page_tokens: model version -> tokens a compressed-cache page covers.
@@ -78,6 +79,7 @@ class Dsv4Engine:
     own_path: Mapping[int, str]
     opt_in: str
     decode_pad_default: int | None = None
+    nvfp4_spellings: tuple[str, ...] = ()
 
     def padded(self, heads: int, phase: str) -> int:
         """The q heads a ``phase`` call carries for ``heads`` heads a rank."""
@@ -95,9 +97,11 @@ VLLM = Dsv4Engine(
     # _resolve_dsv4_kv_cache_dtype: auto and every fp8* spelling become fp8_ds_mla (the 584-byte record).
     kv_spellings=("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"),
     kv_refused={"bfloat16": "vLLM's DeepSeek-V4 layer raises at model build: the packed layout only supports fp8",
-                "bf16": "vLLM's DeepSeek-V4 layer raises at model build: the packed layout only supports fp8",
-                "nvfp4_ds_mla": "vLLM 0.33 writes no 384-byte NVFP4 DeepSeek-V4 record on SM12x (its V4.1 "
-                                "nvfp4 records are SM100-only)"},
+                "bf16": "vLLM's DeepSeek-V4 layer raises at model build: the packed layout only supports fp8"},
+    # vLLM's own name for an NVFP4 MLA cache: its parser and config take it for MLA models; its
+    # DeepSeek-V4 layer refuses it (_resolve_dsv4_kv_cache_dtype) unless the plugin's layer class
+    # answers first, which it does with --attention-backend CUSTOM.
+    nvfp4_spellings=("nvfp4_ds_mla",),
     window_page={"v4": 64, "v4.1": 32},  # DeepseekV4SWACache's block; V4.1's 32
     compressed_page_tokens={"v4": 256, "v4.1": 128},  # the backends' kernel block sizes
     decode_heads=(8, 16, 32, 64, 128),  # _pad_to_supported_q_heads, both phases
@@ -191,6 +195,7 @@ class Dsv4Plan:
     :param tensor_parallel_size: ranks the heads are split over.
     :param decisions: layer kind -> the :class:`~mla_sm120_plugin.types.Decision` for its call.
     :param notes: what is worth a line beside the table (layer counts from a profile, probes).
+    :param record: the cache record (:data:`~mla_sm120_plugin.kernels.dsv4.layout.RECORDS` key).
     """
 
     facts: ModelFacts
@@ -199,6 +204,12 @@ class Dsv4Plan:
     tensor_parallel_size: int
     decisions: Mapping[str, Decision]
     notes: tuple[str, ...] = field(default=())
+    record: str = FP8_DSV4
+
+    @property
+    def kv_record(self) -> Dsv4Record:
+        """The cache record every layer of the plan reads and writes."""
+        return RECORDS[self.record]
 
     def log_line(self) -> str:
         """The one line an engine logs at launch: the model, the device and each kind's kernels."""
@@ -206,23 +217,52 @@ class Dsv4Plan:
             f"{kind} x{d.context.dsv4.layers if d.context.dsv4 else '?'}: prefill={d.prefill} decode={d.decode}"
             for kind, d in self.decisions.items())
         return (f"mla_sm120: DeepSeek-V4 plan for {self.facts.name} ({self.facts.arch}) on {self.device.describe()}, "
-                f"{ENGINES[self.engine].label} tp={self.tensor_parallel_size}: {kinds}")
+                f"{ENGINES[self.engine].label} tp={self.tensor_parallel_size}, kv {self.record}: {kinds}")
 
     def kernels(self) -> dict[tuple[str, str], str]:
         """(layer kind, phase) -> the kernel that serves it."""
         return {(kind, phase): d.kernels[phase] for kind, d in self.decisions.items() for phase in PHASES}
 
 
-def _kv_record(engine: Dsv4Engine, kv_cache_dtype: str | None, facts: ModelFacts,
-               device: DeviceInfo) -> str:
+def _kv_record(engine: Dsv4Engine, kv_cache_dtype: str | None, facts: ModelFacts, device: DeviceInfo,
+               dspark: bool) -> str:
     spelled = "auto" if kv_cache_dtype is None else str(kv_cache_dtype)
     if spelled in engine.kv_spellings:
         return FP8_DSV4
-    why = engine.kv_refused.get(spelled, f"{engine.label} has no DeepSeek-V4 cache of that name")
+    geometry = facts.dsv4
+    assert geometry is not None
+    if spelled in engine.nvfp4_spellings:
+        why = None
+        if geometry.version != "v4":
+            why = (f"{engine.label}'s {spelled} for DeepSeek-V4.1 is SM100's record pair (an MXFP8 window record and "
+                   "an NVFP4 compressed one), not FlashInfer's 384-byte record, which the plugin writes for V4 layers "
+                   "only")
+        elif dspark:
+            why = (f"{engine.label}'s DSpark draft writes its window rows with its own fp8 insert, which the plugin's "
+                   "NVFP4 writers do not replace")
+        if why is None:
+            return NVFP4_DSV4
+        raise UnsupportedConfiguration(format_error(
+            f"model_arch={facts.arch}, kv_cache_dtype={spelled}: {why}",
+            f"the {NVFP4_RECORD.token_bytes}-byte NVFP4 record for DeepSeek-V4 (V4-Flash, V4-Pro) with a causal "
+            "or MTP draft; the 584-byte fp8 record everywhere",
+            f"pass --kv-cache-dtype {engine.kv_spellings[-1]}"))
+    if spelled in nvfp4_spellings_elsewhere(engine):
+        why = engine.kv_refused.get(spelled, f"{engine.label} has no NVFP4 DeepSeek-V4 cache (the plugin writes the "
+                                    f"{NVFP4_RECORD.token_bytes}-byte record in vLLM's layers only)")
+    else:
+        why = engine.kv_refused.get(spelled, f"{engine.label} has no DeepSeek-V4 cache of that name")
     raise UnsupportedConfiguration(format_error(
         f"model_arch={facts.arch}, sm={device.sm}, kv_cache_dtype={spelled}: {why}",
-        f"the 584-byte fp8 DeepSeek-V4 record: --kv-cache-dtype {' / '.join(engine.kv_spellings)}",
+        f"the 584-byte fp8 DeepSeek-V4 record: --kv-cache-dtype {' / '.join(engine.kv_spellings)}"
+        + (f"; the {NVFP4_RECORD.token_bytes}-byte NVFP4 record: --kv-cache-dtype {' / '.join(engine.nvfp4_spellings)}"
+           if engine.nvfp4_spellings else ""),
         f"pass --kv-cache-dtype {engine.kv_spellings[-1]} (or leave it auto)"))
+
+
+def nvfp4_spellings_elsewhere(engine: Dsv4Engine) -> tuple[str, ...]:
+    """NVFP4 spellings another engine takes (so this one's refusal says NVFP4, not 'no such cache')."""
+    return tuple(s for other in ENGINES.values() if other is not engine for s in other.nvfp4_spellings)
 
 
 def _tp_refusal(facts: ModelFacts, tp: int, device: DeviceInfo) -> None:
@@ -274,10 +314,15 @@ def plan(
                         dspark=dspark)
     refusal = device_refusal(device, limits.engine)
     if refusal is not None:
-        raise UnsupportedConfiguration(format_error(f"model_arch={facts.arch}, {refusal.reason}", refusal.supported,
-                                                    refusal.fix))
+        fix = refusal.fix
+        if str(kv_cache_dtype) in engine.nvfp4_spellings + nvfp4_spellings_elsewhere(engine):
+            fix += (f", with --kv-cache-dtype {engine.kv_spellings[-1]}: no engine has an NVFP4 DeepSeek-V4 cache "
+                    "there (FlashInfer's 384-byte record is SM120/SM121 only)")
+        raise UnsupportedConfiguration(format_error(
+            f"model_arch={facts.arch}, kv_cache_dtype={kv_cache_dtype or 'auto'}, {refusal.reason}", refusal.supported,
+            fix))
     _tp_refusal(facts, limits.tensor_parallel_size, device)
-    record = _kv_record(engine, kv_cache_dtype, facts, device)
+    record = _kv_record(engine, kv_cache_dtype, facts, device, dspark)
     base = build_context(facts, settings, device, None, limits)
     decisions: dict[str, Decision] = {}
     problems: list[str] = []
@@ -296,8 +341,12 @@ def plan(
         notes.append(f"{facts.name}: a built-in profile lists each layer kind the model has; the layer counts are "
                      "not the model's (its config.json has its per-layer list: pass that for the counts)")
     notes.append(engine.opt_in)
+    if record == NVFP4_DSV4:
+        notes.append(f"{NVFP4_RECORD.token_bytes}-byte NVFP4 record: the plugin's layer class writes it (window rows "
+                     "and the compressor's rows, its Triton writer) and sizes vLLM's cache specs at "
+                     f"{NVFP4_RECORD.token_bytes} bytes an entry; FlashInfer's fused NVFP4 writers are not bound")
     return Dsv4Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
-                    decisions=decisions, notes=tuple(dict.fromkeys(notes)))
+                    decisions=decisions, notes=tuple(dict.fromkeys(notes)), record=record)
 
 
 def _merged(problems: list[str], calls: list[Dsv4Call]) -> str:
@@ -324,14 +373,26 @@ def device_refusal(device: DeviceInfo, engine: str) -> Refusal | None:
                    + ", without the plugin's opt-in")
 
 
-def bytes_per_token(geometry: Dsv4Geometry) -> dict[str, float]:
+def bytes_per_token(geometry: Dsv4Geometry, record: Dsv4Record = FP8_RECORD) -> dict[str, float]:
     """Cache bytes one context token costs a layer of each kind (the window cache is bounded by the
     window; a compressed cache grows with the context)."""
     out: dict[str, float] = {}
     for ratio in geometry.layer_counts():
         if ratio:
-            out[kind_name(ratio)] = FP8_RECORD.token_bytes / ratio
+            out[kind_name(ratio)] = record.token_bytes / ratio
     return out
+
+
+def capacity(geometry: Dsv4Geometry, record: Dsv4Record) -> dict[str, Any]:
+    """Context tokens one GiB of the model's compressed caches holds (every compressed layer, one
+    rank) in ``record``, beside the 584-byte fp8 record: ``{"tokens_per_gib": {name: n}, "ratio": x}``."""
+    def tokens(rec: Dsv4Record) -> int:
+        per_token = sum(layers * rec.token_bytes / ratio for ratio, layers in geometry.layer_counts().items() if ratio)
+        return int(GIB // per_token) if per_token else 0
+
+    mine, fp8 = tokens(record), tokens(FP8_RECORD)
+    return {"tokens_per_gib": {record.name: mine, FP8_RECORD.name: fp8},
+            "ratio": round(mine / fp8, 2) if fp8 else 1.0}
 
 
 def plan_to_dict(p: Dsv4Plan) -> dict[str, Any]:
@@ -346,7 +407,8 @@ def plan_to_dict(p: Dsv4Plan) -> dict[str, Any]:
         "engine": p.engine,
         "device": {"sm": p.device.sm, "vendor": p.device.vendor, "name": p.device.name, "source": p.device.source},
         "tensor_parallel_size": p.tensor_parallel_size,
-        "kv_record": {"name": FP8_DSV4, "token_bytes": RECORDS[FP8_DSV4].token_bytes},
+        "kv_record": {"name": p.record, "token_bytes": p.kv_record.token_bytes},
+        "capacity": capacity(geometry, p.kv_record),
         "layers_known": geometry.layers_known,
         "layer_kinds": {
             kind: {"call": dataclasses.asdict(d.context.dsv4) if d.context.dsv4 else None,
@@ -354,9 +416,26 @@ def plan_to_dict(p: Dsv4Plan) -> dict[str, Any]:
                    "decision": decision_to_dict(d)}
             for kind, d in p.decisions.items()
         },
-        "compressed_bytes_per_token": bytes_per_token(geometry),
+        "compressed_bytes_per_token": bytes_per_token(geometry, p.kv_record),
         "notes": list(p.notes),
     }
+
+
+def _record_text(record: Dsv4Record) -> str:
+    if record.name == NVFP4_DSV4:
+        return (f"the {record.token_bytes}-byte NVFP4 DeepSeek-V4 record (448 e2m1 + 64 bf16 rope + 28 e4m3 scales "
+                "a 16-value group, page-major; FlashInfer's kv_cache_format='nvfp4')")
+    return (f"the {record.token_bytes}-byte fp8 DeepSeek-V4 record (448 e4m3 + 64 bf16 rope + 7 UE8M0 scales, "
+            "page-major)")
+
+
+def _capacity_text(geometry: Dsv4Geometry, record: Dsv4Record) -> str:
+    cap = capacity(geometry, record)
+    counts = cap["tokens_per_gib"]
+    if record.name == FP8_RECORD.name:
+        return f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers)"
+    return (f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers); "
+            f"the {FP8_RECORD.token_bytes}-byte fp8 record: {counts[FP8_RECORD.name]:,} -> {cap['ratio']:.2f}x")
 
 
 def explain_plan(p: Dsv4Plan) -> str:
@@ -369,9 +448,10 @@ def explain_plan(p: Dsv4Plan) -> str:
         f"DeepSeek-V4 plan: {p.facts.name} ({p.facts.arch}, {geometry.version}) on {p.device.describe()} "
         f"({p.device.source}), {engine.label}, tp={p.tensor_parallel_size}: {heads} heads and "
         f"{geometry.o_groups // p.tensor_parallel_size} output group(s) a GPU",
-        f"kv cache: the {FP8_RECORD.token_bytes}-byte fp8 DeepSeek-V4 record (448 e4m3 + 64 bf16 rope + 7 UE8M0 "
-        f"scales, page-major); compressed caches cost "
-        + ", ".join(f"{k} {v:.3g} B" for k, v in bytes_per_token(geometry).items()) + " a context token a layer",
+        f"kv cache: {_record_text(p.kv_record)}; compressed caches cost "
+        + ", ".join(f"{k} {v:.3g} B" for k, v in bytes_per_token(geometry, p.kv_record).items())
+        + " a context token a layer",
+        _capacity_text(geometry, p.kv_record),
         "",
         f"{'layer kind':<11} {'layers':>6}  {'phase':<8} {'q heads':>7} {'window':>7} {'page':>5} "
         f"{'compressed':>10} {'page':>5}  kernel (class)",

@@ -406,6 +406,10 @@ def _scales_word(ctx: SelectionContext, decision: Decision) -> str:
     lay = LAYOUTS.get(ctx.kv_cache_dtype)
     if lay is not None and lay.nvfp4:
         return f"e4m3 per {lay.latent_format.block} values, fixed by the layout"
+    record = DSV4_RECORDS.get(ctx.kv_cache_dtype) if ctx.dsv4 is not None else None
+    if record is not None:
+        kind = "e4m3" if record.nope_bits == 4 else "UE8M0 (pow2)"
+        return f"{kind} per {record.scale_group} values, fixed by the record"
     return decision.scale_format
 
 

@@ -15,7 +15,7 @@ from ..types import DECODE, EXACT, FAST, PREFILL, DeviceInfo, KernelSpec, ModelP
 from .flashinfer import FLASHINFER_LAYOUTS  # pure Python at import: torch/flashinfer load inside its functions
 from ..kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound
 from ..kernels.dsa.layout import BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA
-from ..kernels.dsv4.layout import FP8_DSV4
+from ..kernels.dsv4.layout import FP8_DSV4, NVFP4_DSV4
 
 FLASHINFER = "flashinfer_sparse_mla"
 FLASHINFER_DSV4 = "flashinfer_dsv4_sm120"
@@ -193,7 +193,7 @@ def _flashinfer_dsv4_probe(device: DeviceInfo) -> tuple[str, ...]:
 FLASHINFER_DSV4_SPEC = KernelSpec(
     name=FLASHINFER_DSV4,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DSV4}),
+    kv_cache_dtypes=frozenset({FP8_DSV4, NVFP4_DSV4}),
     vendors=frozenset({"nvidia"}),
     sm_families=frozenset({12}),
     priority=300,
@@ -216,7 +216,7 @@ FLASHINFER_DSV4_SPEC = KernelSpec(
 TRITON_DSV4_SPEC = KernelSpec(
     name=TRITON_DSV4,
     phases=frozenset({PREFILL, DECODE}),
-    kv_cache_dtypes=frozenset({FP8_DSV4}),
+    kv_cache_dtypes=frozenset({FP8_DSV4, NVFP4_DSV4}),
     # "cpu" only through Triton's interpreter (the probe checks TRITON_INTERPRET=1).
     vendors=frozenset({"nvidia", "cpu"}),
     sm_families=TRITON_SM_FAMILIES,
@@ -225,7 +225,7 @@ TRITON_DSV4_SPEC = KernelSpec(
     probe=_triton_probe,
     graph_safe=True,
     description="portable Triton DeepSeek-V4 kernel: window + compressed cache in one pass, sinks, in-kernel "
-                "fp8 dequant (one program a token and 16 heads; no split-K)",
+                "fp8 / NVFP4 dequant (one program a token and 16 heads; no split-K)",
     # Exact keys and values in bf16, bf16 q and probabilities, fp32 accumulation: against float64
     # (benchmarks/dsv4_accuracy.py) cos_diff <= 2.4e-6, relRMS <= 0.22 %.
     precision=EXACT,

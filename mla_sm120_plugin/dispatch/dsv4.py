@@ -32,6 +32,8 @@ from . import selfcheck
 from .binding import bind
 
 REC = layout.FP8_RECORD
+# FlashInfer's kv_cache_format -> the record it names.
+RECORD_OF_FORMAT = {fmt: layout.RECORDS[name] for name, fmt in layout.FLASHINFER_FORMAT.items()}
 # What vLLM gives FlashInfer's DeepSeek-V4 kernels a device (_FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE);
 # the self-check gives FlashInfer the same.
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -42,30 +44,31 @@ def _bad(argument: str, given: str, supported: str, fix: str) -> KernelInputErro
     return KernelInputError(format_error(f"{argument}: {given}", supported, fix))
 
 
-def pages_of(name: str, cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
+def pages_of(name: str, cache: torch.Tensor, kv_layout: str,
+             record: layout.Dsv4Record = REC) -> tuple[torch.Tensor, int]:
     """An engine's cache view as the kernels' ``[pages, P * 584]`` byte rows, and its page size ``P``.
 
     :param cache: ``[pages, P, 1, 584]`` (NHD), ``[pages, 1, P, 584]`` (HND) or ``[pages, P, 584]``,
         uint8 or float8_e4m3fn; the page stride is the tensor's ``stride(0)`` (engines pad pages
-        to multiples of 576 bytes and may place them further apart).
+        to multiples of 576 bytes and may place them further apart). 384 for ``record`` NVFP4.
     :returns: a view of the same bytes with the same page stride, and entries a page.
     """
     if cache.dtype == torch.float8_e4m3fn:
         cache = cache.view(torch.uint8)
-    if cache.dtype != torch.uint8 or cache.shape[-1] != REC.token_bytes or cache.dim() not in (3, 4):
+    if cache.dtype != torch.uint8 or cache.shape[-1] != record.token_bytes or cache.dim() not in (3, 4):
         raise _bad(name, f"shape {tuple(cache.shape)}, dtype {cache.dtype}",
-                   f"[pages, P, 1, {REC.token_bytes}] uint8 or float8_e4m3fn (NHD; HND: [pages, 1, P, "
-                   f"{REC.token_bytes}])", "pass the engine's DeepSeek-V4 cache view")
+                   f"[pages, P, 1, {record.token_bytes}] uint8 or float8_e4m3fn (NHD; HND: [pages, 1, P, "
+                   f"{record.token_bytes}])", "pass the engine's DeepSeek-V4 cache view")
     if cache.dim() == 4 and kv_layout not in ("NHD", "HND"):
         raise _bad("kv_layout", repr(kv_layout), "'NHD' or 'HND'", "pass the layout the engine passes FlashInfer")
     page_size = cache.shape[2] if cache.dim() == 4 and kv_layout == "HND" else cache.shape[1]
     if cache.dim() == 4 and (cache.shape[1] if kv_layout == "HND" else cache.shape[2]) != 1:
         raise _bad(name, f"shape {tuple(cache.shape)} under kv_layout={kv_layout}", "one KV head",
                    "pass the engine's cache view (DeepSeek-V4 caches one 512-wide row a token)")
-    if cache.stride(-1) != 1 or page_size * REC.token_bytes > cache.stride(0) and cache.shape[0] > 1:
-        raise _bad(name, f"strides {cache.stride()}", f"contiguous records, pages >= {page_size} x {REC.token_bytes} "
+    if cache.stride(-1) != 1 or page_size * record.token_bytes > cache.stride(0) and cache.shape[0] > 1:
+        raise _bad(name, f"strides {cache.stride()}", f"contiguous records, pages >= {page_size} x {record.token_bytes} "
                    "bytes apart", "pass the engine's cache view")
-    rows = cache.as_strided((cache.shape[0], page_size * REC.token_bytes), (cache.stride(0), 1))
+    rows = cache.as_strided((cache.shape[0], page_size * record.token_bytes), (cache.stride(0), 1))
     return rows, page_size
 
 
@@ -122,7 +125,8 @@ def triton_dsv4(
     :param swa_topk_lens: [T] int32 valid window slots a row, or None (the whole row).
     :param extra_sparse_indices: [T, 1, K] or [T, K] int32 compressed slots, -1 padded.
     :param extra_sparse_topk_lens: [T] int32, or None.
-    :param kv_cache_format: ``"fp8"`` (the 584-byte record) only.
+    :param kv_cache_format: ``"fp8"`` (the 584-byte record) or ``"nvfp4"`` (the 384-byte one: caches
+        ``[pages, P, 1, 384]``).
     :returns: ``out``.
     :raises KernelInputError: an argument outside this surface (named, with what is accepted).
     """
@@ -130,8 +134,9 @@ def triton_dsv4(
     if given:
         raise _bad(", ".join(given), "set", "the SM120 sparse surface (no TRT-LLM / HCA / storage-offset arguments)",
                    "call FlashInfer's own kernel for those, or leave them None")
-    if kv_cache_format != "fp8":
-        raise _bad("kv_cache_format", repr(kv_cache_format), "'fp8' (the 584-byte record)",
+    record = RECORD_OF_FORMAT.get(kv_cache_format)
+    if record is None:
+        raise _bad("kv_cache_format", repr(kv_cache_format), "'fp8' (the 584-byte record) or 'nvfp4' (the 384-byte one)",
                    "serve this cache with FlashInfer's own kernel")
     if backend not in ("auto", "sparse"):
         raise _bad("backend", repr(backend), "'auto' or 'sparse'", "leave backend at 'auto'")
@@ -143,15 +148,15 @@ def triton_dsv4(
     from ..kernels.dsv4.triton import dsv4_attention
 
     tokens = query.shape[0]
-    swa, swa_page = pages_of("swa_kv_cache", swa_kv_cache, kv_layout)
+    swa, swa_page = pages_of("swa_kv_cache", swa_kv_cache, kv_layout, record)
     extra = extra_page = extra_idx = None
     if compressed_kv_cache is not None:
-        extra, extra_page = pages_of("compressed_kv_cache", compressed_kv_cache, kv_layout)
+        extra, extra_page = pages_of("compressed_kv_cache", compressed_kv_cache, kv_layout, record)
         extra_idx = index_rows("extra_sparse_indices", extra_sparse_indices, tokens)
     result = dsv4_attention(query, swa, index_rows("sparse_indices", sparse_indices, tokens), swa_page,
                             sm_scale=_scale("bmm1_scale", bmm1_scale), swa_lengths=swa_topk_lens, extra_cache=extra,
                             extra_indices=extra_idx, extra_lengths=extra_sparse_topk_lens, extra_page_size=extra_page,
-                            sinks=sinks, out=out)
+                            sinks=sinks, out=out, record=record)
     scale2 = _scale("bmm2_scale", bmm2_scale)
     if scale2 != 1.0:
         result.mul_(scale2)
@@ -170,6 +175,7 @@ class Dsv4CheckKey:
     window_page: int
     extra_page: int  # 0: a window-only layer kind
     device: str
+    record: str = layout.FP8_DSV4
 
 
 @dataclass(frozen=True)
@@ -204,16 +210,17 @@ def _case(key: Dsv4CheckKey, device: torch.device) -> dict[str, Any]:
     cpu = torch.device("cpu")
     gen = torch.Generator(device=cpu).manual_seed(0)
     window, extra_width = 48, 40
+    record = layout.RECORDS[key.record]
 
     def cache(page_size: int, entries: int) -> tuple[torch.Tensor, int]:
         pages = max(2, -(-entries // page_size))
         rows = torch.randn(pages * page_size, REC.head_dim, generator=gen, dtype=torch.float32, device=cpu)
         rows[:, : layout.NOPE_DIM] *= torch.tensor([0.25, 1.0, 4.0, 16.0, 0.5, 2.0, 8.0]).repeat_interleave(
             layout.SCALE_GROUP)
-        buf = pack.new_cache(pages, page_size, device=cpu)
-        pack.write(buf, rows, torch.arange(pages * page_size, dtype=torch.int64), page_size)
-        view = buf.as_strided((pages, page_size, 1, REC.token_bytes), (buf.stride(0), REC.token_bytes,
-                                                                        REC.token_bytes, 1))
+        buf = pack.new_cache(pages, page_size, device=cpu, record=record)
+        pack.write(buf, rows, torch.arange(pages * page_size, dtype=torch.int64), page_size, record=record)
+        view = buf.as_strided((pages, page_size, 1, record.token_bytes), (buf.stride(0), record.token_bytes,
+                                                                           record.token_bytes, 1))
         return view, pages * page_size
 
     def ids(capacity: int, width: int) -> torch.Tensor:
@@ -226,7 +233,7 @@ def _case(key: Dsv4CheckKey, device: torch.device) -> dict[str, Any]:
         query=torch.randn(CHECK_TOKENS, key.num_heads, REC.head_dim, generator=gen, device=cpu),
         swa_kv_cache=swa, sparse_indices=ids(swa_cap, window),
         swa_topk_lens=torch.tensor([window, window // 3, 0, window], dtype=torch.int32),
-        bmm1_scale=REC.head_dim ** -0.5, kv_layout="NHD")
+        bmm1_scale=REC.head_dim ** -0.5, kv_layout="NHD", kv_cache_format=layout.FLASHINFER_FORMAT[key.record])
     sinks = torch.randn(key.num_heads, generator=gen)
     sinks[::3] = float("-inf")
     sinks[1::5] = 30.0  # outweighs every score: that head's output is near zero
@@ -242,11 +249,12 @@ def _case(key: Dsv4CheckKey, device: torch.device) -> dict[str, Any]:
 
 def _truth(inputs: dict[str, Any]) -> torch.Tensor:
     """Float64 attention over the case's dequantized rows (the reference on a float64 q)."""
-    swa, swa_page = pages_of("swa_kv_cache", inputs["swa_kv_cache"], "NHD")
-    kwargs: dict[str, Any] = {}
+    record = RECORD_OF_FORMAT[inputs["kv_cache_format"]]
+    swa, swa_page = pages_of("swa_kv_cache", inputs["swa_kv_cache"], "NHD", record)
+    kwargs: dict[str, Any] = {"record": record}
     if "compressed_kv_cache" in inputs:
-        extra, extra_page = pages_of("compressed_kv_cache", inputs["compressed_kv_cache"], "NHD")
-        kwargs = dict(extra_cache=extra, extra_indices=inputs["extra_sparse_indices"][:, 0],
+        extra, extra_page = pages_of("compressed_kv_cache", inputs["compressed_kv_cache"], "NHD", record)
+        kwargs.update(extra_cache=extra, extra_indices=inputs["extra_sparse_indices"][:, 0],
                       extra_lengths=inputs["extra_sparse_topk_lens"], extra_page_size=extra_page)
     return dsv4_attention_reference(inputs["query"].double(), swa, inputs["sparse_indices"][:, 0], swa_page,
                                     sm_scale=inputs["bmm1_scale"], swa_lengths=inputs["swa_topk_lens"],
@@ -254,11 +262,11 @@ def _truth(inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def check(name: str, fn: Callable[..., Any], *, num_heads: int, window_page: int, extra_page: int,
-          device: torch.device) -> Dsv4CheckResult:
+          device: torch.device, record: str = layout.FP8_DSV4) -> Dsv4CheckResult:
     """Run kernel ``name`` (``fn``, on FlashInfer's surface) once on the check's case; cached per key."""
     from ..hooks.manager import get_registry
 
-    key = Dsv4CheckKey(name, num_heads, window_page, extra_page, str(device))
+    key = Dsv4CheckKey(name, num_heads, window_page, extra_page, str(device), record)
     if key in _results:
         return _results[key]
     spec = get_registry().kernels[name]
@@ -309,7 +317,7 @@ def verify(kind: str, decision: Any, engine_fns: dict[str, Callable[..., Any]], 
         for candidate in (name, *(() if check_mode == "strict" else decision.alternates.get(phase, ()))):
             fn = engine_fns.get(candidate) or bind(candidate).fn
             result = check(candidate, fn, num_heads=heads[phase], window_page=window_page, extra_page=extra_page,
-                           device=device)
+                           device=device, record=decision.context.kv_cache_dtype)
             tried.append(result)
             if result.passed:
                 kernels[phase] = candidate

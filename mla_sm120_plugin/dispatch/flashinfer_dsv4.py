@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..kernels.dsv4.layout import NVFP4_DSV4
 from ..types import DECODE, DeviceInfo, SelectionContext
 from . import flashinfer_table
 
@@ -24,6 +25,14 @@ FAMILY = "dsv4"
 ENTRY = "flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4"
 # The public call accepts these q head counts on SM120 ("Expected 8, 16, 32, 64, or 128 query heads").
 API_HEADS = (8, 16, 32, 64, 128)
+# FlashInfer 0.7.2's NVFP4 record (kv_cache_format="nvfp4"), as
+# flashinfer.mla.supported_sparse_mla_sm120_configs(kv_cache_format="nvfp4")["dsv4"] gives it on any
+# machine: window pages of 64 entries, index rows of exactly 128 or 512 slots (compiled, not runtime),
+# compressed pages of 2 / 32 / 64 entries, the same q heads. Its "sparse" route only (what the
+# engines' call reaches): the cake route's own shapes are not planned.
+NVFP4_WINDOW_PAGE = 64
+NVFP4_TOPKS = (128, 512)
+NVFP4_EXTRA_PAGES = (2, 32, 64)
 
 
 def _forms(ctx: SelectionContext, phase: str, max_tokens: int) -> tuple[str, ...]:
@@ -43,6 +52,9 @@ def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.
     call = ctx.dsv4
     if call is None:
         return ["reads the DeepSeek-V4 two-cache record only"]
+    if ctx.kv_cache_dtype == NVFP4_DSV4:
+        return nvfp4_reasons(call.heads_for(phase), call.window_for(phase), call.window_page, call.extra,
+                             call.extra_page)
     tab = table or flashinfer_table.table()
     decode = tab.decode.get(FAMILY)
     if decode is None:
@@ -67,6 +79,22 @@ def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.
         if window % tab.prefill_topk_tile:
             reasons.append(f"{why}: window rows of {window} slots, not a multiple of {tab.prefill_topk_tile} "
                            "(its prefill form's top-k tile)")
+    return reasons
+
+
+def nvfp4_reasons(heads: int, window: int, window_page: int, extra: int, extra_page: int) -> list[str]:
+    """Why FlashInfer's NVFP4 DeepSeek-V4 kernels cannot serve a call (empty: they can)."""
+    reasons = []
+    if heads not in API_HEADS:
+        reasons.append(f"{heads} q heads: its NVFP4 kernels take {list(API_HEADS)}")
+    if window_page != NVFP4_WINDOW_PAGE:
+        reasons.append(f"window pages of {window_page} entries: its NVFP4 kernels read {NVFP4_WINDOW_PAGE}")
+    if window not in NVFP4_TOPKS:
+        reasons.append(f"window rows of {window} slots: its NVFP4 kernels are built for {list(NVFP4_TOPKS)}")
+    if extra and extra not in NVFP4_TOPKS:
+        reasons.append(f"compressed rows of {extra} slots: its NVFP4 kernels are built for {list(NVFP4_TOPKS)}")
+    if extra and extra_page not in NVFP4_EXTRA_PAGES:
+        reasons.append(f"compressed pages of {extra_page} entries: its NVFP4 kernels read {list(NVFP4_EXTRA_PAGES)}")
     return reasons
 
 

@@ -63,7 +63,8 @@ def test_triton_dsv4_reads_the_engines_views_as_the_oracle_does(layout_name, fp8
 
 
 @pytest.mark.parametrize("bad, names", [
-    (dict(kv_cache_format="nvfp4"), "kv_cache_format"),
+    (dict(kv_cache_format="nvfp4"), "swa_kv_cache"),  # a 584-byte cache given as the 384-byte record
+    (dict(kv_cache_format="bf16"), "kv_cache_format"),
     (dict(sparse_indices_are_storage_offsets=True), "sparse_indices_are_storage_offsets"),
     (dict(bmm1_scale=torch.tensor(0.04)), "bmm1_scale"),
     (dict(kv_layout="NCHW"), "kv_layout"),
@@ -144,3 +145,40 @@ def test_verify_refuses_when_every_kernel_fails(monkeypatch):
     with pytest.raises(UnsupportedConfiguration) as err:
         dsv4.verify("window", decision, {}, window_page=64, extra_page=0, device=CPU)
     assert "DeepSeek-V4 window prefill kernel triton_dsv4 failed its self-check" in str(err.value)
+
+
+def test_triton_dsv4_reads_the_nvfp4_record_when_told_the_format():
+    """vLLM's call passes no kv_cache_format; the NVFP4 route adds FlashInfer's "nvfp4": the same call
+    on [pages, P, 1, 384] views, against the oracle reading the 384-byte bytes."""
+    rec = layout.NVFP4_RECORD
+    gen = torch.Generator().manual_seed(5)
+    views, pools = [], []
+    for pages, page_size, seed in ((3, 64, 1), (40, 2, 2)):
+        pool = pack.new_cache(pages, page_size, page_stride=rec.page_bytes(page_size) + 64, record=rec)
+        rows = torch.randn(pages * page_size, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        pack.write(pool, rows, torch.arange(pages * page_size), page_size, record=rec)
+        views.append(pool.as_strided((pages, page_size, 1, 384), (pool.stride(0), 384, 384, 1)))
+        pools.append(pool)
+    q = (torch.randn(2, 16, 512, generator=gen) / 4).to(torch.bfloat16)
+    swa_idx = torch.randint(-1, 3 * 64 + 2, (2, 1, 30), generator=gen, dtype=torch.int32)
+    comp_idx = torch.randint(0, 80, (2, 1, 9), generator=gen, dtype=torch.int32)
+    sinks = torch.randn(16, generator=gen)
+    got = dsv4.triton_dsv4(query=q, swa_kv_cache=views[0], sparse_indices=swa_idx, compressed_kv_cache=views[1],
+                           bmm1_scale=512**-0.5, sinks=sinks, kv_layout="NHD", extra_sparse_indices=comp_idx,
+                           kv_cache_format="nvfp4")
+    want = oracle_attention(q, [(pools[0], swa_idx[:, 0], None, 64), (pools[1], comp_idx[:, 0], None, 2)], sinks,
+                            record="nvfp4")
+    assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
+    with pytest.raises(KernelInputError) as err:  # the same bytes read as the 584-byte record: refused
+        dsv4.triton_dsv4(query=q, swa_kv_cache=views[0], sparse_indices=swa_idx, kv_layout="NHD")
+    assert str(err.value).startswith("given: swa_kv_cache")
+
+
+def test_the_self_check_runs_on_the_plans_record():
+    result = dsv4.check(TRITON_DSV4, bind(TRITON_DSV4).fn, num_heads=16, window_page=64, extra_page=2, device=CPU,
+                        record=layout.NVFP4_DSV4)
+    assert result.passed and result.key.record == layout.NVFP4_DSV4, result.error
+    # another key: results are cached per (kernel, heads, pages, device, record)
+    bad = dsv4.check(TRITON_DSV4, _one_percent_off, num_heads=32, window_page=64, extra_page=2, device=CPU,
+                     record=layout.NVFP4_DSV4)
+    assert not bad.passed and "relRMS" in bad.error

@@ -253,3 +253,60 @@ def test_the_json_says_the_record_and_its_capacity():
     assert capacity == {"layouts": {"fp8_dsv4": {"token_bytes": 584, "tokens_per_gib": (1 << 30) // 584}},
                         "ratio_vs": {}}  # not the DSA layouts' 656 / 1152 bytes
     assert data["compressed_bytes_per_token"] == {"c128a": 584 / 128, "c4a": 146.0}
+
+
+# ----------------------------------------------------------------------- the 384-byte NVFP4 record
+
+
+def test_nvfp4_is_planned_for_vllm_with_the_capacity_it_buys():
+    """``check`` with vLLM's own NVFP4 spelling: every kind planned on the 384-byte record; FlashInfer's
+    NVFP4 kernels only where their compiled shapes fit (window pages 64, rows of 128 or 512 slots)."""
+    res = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "12.0", "--tp", "4", "--kv-cache-dtype",
+                  "nvfp4_ds_mla")
+    assert res.returncode == 0, res.stderr
+    assert "the 384-byte NVFP4 DeepSeek-V4 record" in res.stdout and "-> 1.52x" in res.stdout
+    rows = {tuple(line.split()[:3:2]): line.split()[-2] for line in res.stdout.splitlines()
+            if line.startswith(("c128a", "c4a", "window"))}
+    # C128A's rows hold every entry of a 1M context (8192 slots): FlashInfer's NVFP4 kernels are built for 128 / 512
+    assert rows == {("c128a", "prefill"): TRITON_DSV4, ("c128a", "decode"): TRITON_DSV4,
+                    ("c4a", "prefill"): FLASHINFER_DSV4, ("c4a", "decode"): FLASHINFER_DSV4,
+                    ("window", "prefill"): FLASHINFER_DSV4, ("window", "decode"): FLASHINFER_DSV4}
+    plan = _plan("deepseek-v4-flash", tp=4, kv="nvfp4_ds_mla")
+    data = dsv4_plan.plan_to_dict(plan)
+    assert data["kv_record"] == {"name": "nvfp4_dsv4", "token_bytes": 384}
+    assert data["capacity"]["ratio"] == 1.52
+    assert data["capacity"]["tokens_per_gib"]["nvfp4_dsv4"] > data["capacity"]["tokens_per_gib"]["fp8_dsv4"]
+    assert data["compressed_bytes_per_token"] == {"c128a": 3.0, "c4a": 96.0}
+
+
+def test_nvfp4_is_refused_on_sm90_and_where_the_plugin_writes_no_such_record():
+    refused = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "9.0", "--tp", "4", "--kv-cache-dtype",
+                      "nvfp4_ds_mla")
+    assert refused.returncode == 2
+    text = refused.stderr
+    assert "given: model_arch=DeepseekV4ForCausalLM, kv_cache_dtype=nvfp4_ds_mla, device sm_90" in text
+    assert "supported: an NVIDIA SM120/SM121 GPU" in text and "--kv-cache-dtype fp8_ds_mla" in text
+    for kwargs, why in [(dict(engine="sglang"), "SGLang has no NVFP4 DeepSeek-V4 cache"),
+                        (dict(speculative_tokens=3, dspark=True), "DSpark draft writes its window rows")]:
+        with pytest.raises(UnsupportedConfiguration) as err:
+            _plan("deepseek-v4-flash", kv="nvfp4_ds_mla", **kwargs)
+        assert why in str(err.value) and "fix: pass --kv-cache-dtype" in str(err.value)
+    cfg = {"architectures": ["DeepseekV41ForCausalLM"],
+           "text_config": {"num_hidden_layers": 3, "num_attention_heads": 64, "compress_ratios": [0, 1, 2],
+                           "o_groups": 8, "sliding_window": 128}}
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan(_facts(cfg), kv="nvfp4_ds_mla")
+    assert "SM100's record pair" in str(err.value)
+
+
+def test_flashinfers_nvfp4_kernels_only_take_their_compiled_shapes():
+    from mla_sm120_plugin.dispatch.flashinfer_dsv4 import nvfp4_reasons
+
+    assert nvfp4_reasons(16, 128, 64, 512, 64) == []
+    assert nvfp4_reasons(16, 128, 64, 0, 0) == []  # a window-only layer
+    assert nvfp4_reasons(48, 192, 32, 1024, 128) == [
+        "48 q heads: its NVFP4 kernels take [8, 16, 32, 64, 128]",
+        "window pages of 32 entries: its NVFP4 kernels read 64",
+        "window rows of 192 slots: its NVFP4 kernels are built for [128, 512]",
+        "compressed rows of 1024 slots: its NVFP4 kernels are built for [128, 512]",
+        "compressed pages of 128 entries: its NVFP4 kernels read [2, 32, 64]"]

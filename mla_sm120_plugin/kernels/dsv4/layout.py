@@ -95,6 +95,10 @@ class Dsv4Record:
         """Bytes the quantized NoPE values take at the start of a data row."""
         return self.nope * self.nope_bits // 8
 
+    def tokens_per_gib(self, ratio: int = 1) -> int:
+        """Context tokens one GiB of a layer's cache holds at one entry per ``ratio`` tokens."""
+        return (1 << 30) * ratio // self.token_bytes
+
     def page_bytes(self, page_size: int) -> int:
         """The least page stride for ``page_size`` entries (the engines' padded page)."""
         raw = page_size * self.token_bytes
@@ -128,7 +132,9 @@ NVFP4_RECORD = Dsv4Record(NVFP4_DSV4, 384, 352, 32, NOPE_DIM, ROPE_DIM, NVFP4_GR
                           "FlashInfer's nvfp4_quantize_append_sparse_mla_cache and its fused SM120 writers; no "
                           "engine release writes it", nope_bits=4)
 
-RECORDS: dict[str, Dsv4Record] = {FP8_RECORD.name: FP8_RECORD}
-# Not in RECORDS (what the plan serves) until an engine writes it: the record, its packer and its
-# reference exist; see the NVFP4 issue.
-ALL_RECORDS: dict[str, Dsv4Record] = {r.name: r for r in (FP8_RECORD, NVFP4_RECORD)}
+# What the plan serves: the fp8 record (both engines write it), and the NVFP4 record in vLLM, whose
+# DeepSeek-V4 layers the plugin's layer class writes it for (kernels/dsv4/nvfp4_writer.py).
+RECORDS: dict[str, Dsv4Record] = {r.name: r for r in (FP8_RECORD, NVFP4_RECORD)}
+ALL_RECORDS = RECORDS
+# FlashInfer's name for each record (trtllm_batch_decode_sparse_mla_dsv4's kv_cache_format).
+FLASHINFER_FORMAT: dict[str, str] = {FP8_DSV4: "fp8", NVFP4_DSV4: "nvfp4"}
