@@ -146,6 +146,31 @@ def dsv4_launches() -> list[Any]:
                     extra_lengths=lengths if extra else None, extra_page_size=2 if extra else None,
                     sinks=torch.empty(heads), record=record):
                 found.append(dataclasses.replace(launch, describe={**launch.describe, "cache": record.name}))
+    return found + dsv4_writer_launches()
+
+
+def dsv4_writer_launches() -> list[Any]:
+    """The NVFP4 record's writers as vLLM's layer runs them: the window rows, and the compressor's rows
+    for each compression vLLM's DeepSeek-V4 has (C4A: 8 overlapping states, C128A: 128)."""
+    import torch
+
+    from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
+    from mla_sm120_plugin.kernels.dsv4 import nvfp4_writer as writer
+    from mla_sm120_plugin.kernels.dsv4 import pack as dsv4_pack
+
+    tokens = _REPRESENTATIVE_TOKENS
+    rec = dsv4_layout.NVFP4_RECORD
+    cache = dsv4_pack.new_cache(2, 64, record=rec)
+    slots, positions = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
+    cos_sin = torch.empty(4096, dsv4_layout.ROPE_DIM, dtype=torch.float32)
+    found = [writer.window_launch(torch.empty(tokens, rec.head_dim, dtype=torch.bfloat16), slots, positions, cos_sin,
+                                  cache, 64, cache.stride(0), 128)]
+    for ratio, overlap, block in ((4, True, 4), (128, False, 8)):
+        width = (1 + overlap) * rec.head_dim
+        found.append(writer.compress_launch(
+            slots, torch.empty(8, block, 2 * width, dtype=torch.float32), slots, torch.empty(tokens, dtype=torch.int32),
+            torch.empty(4, 64, dtype=torch.int32), block, width, positions, ratio, (1 + overlap) * ratio,
+            torch.empty(rec.head_dim, dtype=torch.bfloat16), 1e-6, cos_sin, cache, 64, cache.stride(0), 128))
     return found
 
 

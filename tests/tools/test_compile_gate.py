@@ -272,3 +272,11 @@ def test_the_gate_reads_tritons_own_ptxas_whatever_the_caller_imported(gate):
     variant compiled."""
     rows = gate["variants"]
     assert rows and all(v["compiled"] for v in rows), [v.get("error") for v in rows if not v["compiled"]][:1]
+
+
+def test_the_nvfp4_writers_are_compiled_for_every_compression(gate):
+    """vLLM's DeepSeek-V4 layers run the NVFP4 record's writers (window rows, C4A's 8 overlapping states,
+    C128A's 128): each is a variant of the gate, held to its no-spill rule above."""
+    rows = {v["rows"]: v for v in gate["variants"] if v["kernel"] == "dsv4_nvfp4_write"}
+    assert sorted(rows) == ["c128a", "c4a", "window"]
+    assert all(v["compiled"] and v["spill_bytes"] == 0 for v in rows.values()), rows

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels.dsa.triton import _round_bf16
+from mla_sm120_plugin.kernels.dsa.triton import Launch, _round_bf16
 from mla_sm120_plugin.kernels.dsv4 import layout
 
 REC = layout.NVFP4_RECORD
@@ -41,6 +41,8 @@ _DATA: tl.constexpr = tl.constexpr(REC.data_bytes)
 _SCALE_ROW: tl.constexpr = tl.constexpr(REC.scale_bytes)
 _NOPE_BYTES: tl.constexpr = tl.constexpr(REC.nope_bytes)
 _E4M3_MAX: tl.constexpr = tl.constexpr(layout.E4M3_MAX)
+WINDOW_WARPS = 4
+COMPRESS_CHUNK = 8  # states a step of the compressor writer's loop: [8, 512] scores and values
 
 
 @triton.jit
@@ -122,26 +124,38 @@ def _insert_rows_kernel(rows_ptr, row_stride, slot_ptr, pos_ptr, cs_ptr, cs_stri
 def _compress_insert_kernel(state_ptr, state_s0, state_s1, state_slot_ptr, req_ptr, table_ptr, table_stride,
                             state_block, norm_ptr, eps, slot_ptr, pos_ptr, cs_ptr, cs_stride, cache_ptr, page_size,
                             page_stride, capacity, RATIO: tl.constexpr, WIN: tl.constexpr,
-                            STATE_WIDTH: tl.constexpr):
+                            STATE_WIDTH: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     state_slot = tl.load(state_slot_ptr + t)
     if (slot >= 0) & (slot < capacity) & (state_slot >= 0) & ((pos + 1) % RATIO == 0):
         req = tl.load(req_ptr + t).to(tl.int64)
-        j = tl.arange(0, WIN)
-        p = pos - WIN + 1 + j
-        ok = p >= 0
-        blk = tl.load(table_ptr + req * table_stride + tl.where(ok, p, 0) // state_block, mask=ok, other=0)
-        # the first `ratio` states read the first half of an overlapping state row, the rest the second
-        row = (blk.to(tl.int64) * state_s0 + (tl.where(ok, p, 0) % state_block) * state_s1
-               + (j >= RATIO).to(tl.int64) * _HEAD)
         d = tl.arange(0, _HEAD)
-        score = tl.load(state_ptr + row[:, None] + STATE_WIDTH + d[None, :], mask=ok[:, None],
-                        other=float("-inf")).to(tl.float32)
-        kv = tl.load(state_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        w = tl.exp(score - tl.max(score, axis=0)[None, :])
-        c = tl.sum(kv * w, axis=0) / tl.sum(w, axis=0)
+        # a softmax over the states for each of the 512 values, CHUNK states at a time (online: C128A's
+        # 128 x 512 scores and values at once would spill)
+        m = tl.full((_HEAD,), float("-inf"), tl.float32)
+        den = tl.zeros((_HEAD,), tl.float32)
+        acc = tl.zeros((_HEAD,), tl.float32)
+        for first in range(0, WIN, CHUNK):
+            j = first + tl.arange(0, CHUNK)
+            p = pos - WIN + 1 + j
+            ok = p >= 0
+            blk = tl.load(table_ptr + req * table_stride + tl.where(ok, p, 0) // state_block, mask=ok, other=0)
+            # the first `ratio` states read the first half of an overlapping state row, the rest the second
+            row = (blk.to(tl.int64) * state_s0 + (tl.where(ok, p, 0) % state_block) * state_s1
+                   + (j >= RATIO).to(tl.int64) * _HEAD)
+            score = tl.load(state_ptr + row[:, None] + STATE_WIDTH + d[None, :], mask=ok[:, None],
+                            other=float("-inf")).to(tl.float32)
+            kv = tl.load(state_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(score, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
+            alpha = tl.exp(m - m_safe)
+            w = tl.exp(score - m_safe[None, :])
+            den = den * alpha + tl.sum(w, axis=0)
+            acc = acc * alpha + tl.sum(kv * w, axis=0)
+            m = m_new
+        c = acc / den
         normed = c * (1.0 / tl.sqrt(tl.sum(c * c, axis=0) / _HEAD + eps)) * tl.load(norm_ptr + d).to(tl.float32)
         _rope_and_store(normed, (pos // RATIO) * RATIO, cs_ptr, cs_stride, cache_ptr, slot, page_size, page_stride)
 
@@ -193,8 +207,16 @@ def insert_rows(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, posi
                    "pass the step's slot mapping, KV rows and positions")
     _check_rope(cos_sin_cache)
     if tokens:
-        _insert_rows_kernel[(tokens,)](kv, kv.stride(0), slots, positions, cos_sin_cache, cos_sin_cache.stride(0),
-                                       base, page_size, page_stride, capacity, num_warps=4)
+        window_launch(kv, slots, positions, cos_sin_cache, base, page_size, page_stride, capacity).run()
+
+
+def window_launch(kv, slots, positions, cos_sin_cache, base, page_size, page_stride, capacity) -> Launch:
+    """The window writer's launch (what :func:`insert_rows` runs and the compile gate compiles)."""
+    return Launch(kernel=_insert_rows_kernel, grid=(slots.shape[0],),
+                  args=(kv, kv.stride(0), slots, positions, cos_sin_cache, cos_sin_cache.stride(0), base, page_size,
+                        page_stride, capacity),
+                  constexprs={}, num_warps=WINDOW_WARPS, num_stages=1,
+                  describe=dict(kernel="dsv4_nvfp4_write", rows="window", warps=WINDOW_WARPS))
 
 
 def compress_insert(cache: torch.Tensor, slots: torch.Tensor, *, state_cache: torch.Tensor,
@@ -224,11 +246,27 @@ def compress_insert(cache: torch.Tensor, slots: torch.Tensor, *, state_cache: to
                    "pass the compressor's own state cache and ratio")
     _check_rope(cos_sin_cache)
     if tokens:
-        _compress_insert_kernel[(tokens,)](
-            state_cache, state_cache.stride(0), state_cache.stride(1), state_slots, token_to_req, block_table,
-            block_table.stride(0), state_block, norm_weight, float(eps), slots, positions, cos_sin_cache,
-            cos_sin_cache.stride(0), base, page_size, page_stride, capacity, RATIO=ratio, WIN=win,
-            STATE_WIDTH=state_width, num_warps=8 if win > 16 else 4)
+        compress_launch(slots, state_cache, state_slots, token_to_req, block_table, state_block, state_width,
+                        positions, ratio, win, norm_weight, eps, cos_sin_cache, base, page_size, page_stride,
+                        capacity).run()
+
+
+def compress_launch(slots, state_cache, state_slots, token_to_req, block_table, state_block, state_width, positions,
+                    ratio, win, norm_weight, eps, cos_sin_cache, base, page_size, page_stride, capacity) -> Launch:
+    """The compressor writer's launch (what :func:`compress_insert` runs and the compile gate compiles)."""
+    return Launch(kernel=_compress_insert_kernel, grid=(slots.shape[0],),
+                  args=(state_cache, state_cache.stride(0), state_cache.stride(1), state_slots, token_to_req,
+                        block_table, block_table.stride(0), state_block, norm_weight, float(eps), slots, positions,
+                        cos_sin_cache, cos_sin_cache.stride(0), base, page_size, page_stride, capacity),
+                  constexprs=dict(RATIO=ratio, WIN=win, STATE_WIDTH=state_width, CHUNK=min(win, COMPRESS_CHUNK)),
+                  num_warps=compress_warps(win),
+                  num_stages=1, describe=dict(kernel="dsv4_nvfp4_write", rows=f"c{ratio}a", states=win,
+                                              warps=compress_warps(win)))
+
+
+def compress_warps(win: int) -> int:
+    """Warps for a ``win``-state compression (states are read :data:`COMPRESS_CHUNK` at a time)."""
+    return 4
 
 
 def normed_roped_query(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, padded_heads: int,
