@@ -31,7 +31,7 @@ from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm import dsv4
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
-from mla_sm120_plugin.kernels.dsv4 import pack
+from mla_sm120_plugin.kernels.dsv4 import layout, pack
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
@@ -77,9 +77,10 @@ def _v41_model_dir(tmp_path) -> str:
     return str(tmp_path)
 
 
-def _vllm_config(model_dir: str, *, custom: bool = True, additional_config: dict | None = None) -> VllmConfig:
+def _vllm_config(model_dir: str, *, custom: bool = True, additional_config: dict | None = None,
+                 cache_dtype: str = "fp8") -> VllmConfig:
     # DeepSeek-V4's only kernel block size is 256; "fp8" is what --kv-cache-dtype fp8 gives
-    return make_vllm_config(model_dir, cache_dtype="fp8", block_size=256, enforce_eager=True, max_num_seqs=16,
+    return make_vllm_config(model_dir, cache_dtype=cache_dtype, block_size=256, enforce_eager=True, max_num_seqs=16,
                             max_num_batched_tokens=MAX_LEN, attention_backend="CUSTOM" if custom else None,
                             additional_config=additional_config)
 
@@ -196,14 +197,15 @@ def _block_table(block: int) -> torch.Tensor:
     return table
 
 
-def _pool(spec, table: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A pool as vLLM binds it ([blocks, P, 584] over padded pages), filled by the packer."""
+def _pool(spec, table: torch.Tensor, seed: int, record=layout.FP8_RECORD) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A pool as vLLM binds it ([blocks, P, 584] (or 384) over its spec's pages), filled by the packer."""
     entries = spec.block_size // getattr(spec, "tokens_per_state", 1)
     blocks = int(table.max()) + 1
-    pages = pack.new_cache(blocks, entries, page_stride=spec.page_size_bytes)
+    pages = pack.new_cache(blocks, entries, page_stride=spec.page_size_bytes, record=record)
     rows = torch.randn(blocks * entries, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    pack.write(pages, rows, torch.arange(blocks * entries), entries)
-    return pages.as_strided((blocks, entries, 584), (spec.page_size_bytes, 584, 1)), pages, entries
+    pack.write(pages, rows, torch.arange(blocks * entries), entries, record=record)
+    size = record.token_bytes
+    return pages.as_strided((blocks, entries, size), (spec.page_size_bytes, size, 1)), pages, entries
 
 
 def _swa_metadata(b: Batch, block: int, window: int):
@@ -293,3 +295,125 @@ def test_a_forward_through_the_plugins_layer_matches_float64(model_dir, tmp_path
     want = dsv4_oracle_attention(q, parts, layer.attn_sink.detach())
     got = measure(out, want)
     assert EXACT_CLASS_BOUND.violations(got) == [], got
+
+
+# ------------------------------------------------- the 384-byte NVFP4 record (--kv-cache-dtype nvfp4_ds_mla)
+
+NVFP4 = layout.NVFP4_RECORD
+
+
+def test_nvfp4_sizes_both_pools_at_384_bytes_and_without_the_opt_in_vllm_refuses(model_dir, sm):
+    sm(12, 0)
+    cfg = _vllm_config(model_dir, cache_dtype="nvfp4_ds_mla")
+    window, c4a, c128a = _build(cfg)
+    assert {layer.mla_sm120_record for layer in (window, c4a, c128a)} == {layout.NVFP4_DSV4}
+    specs = {"window": window.swa_cache_layer.get_kv_cache_spec(cfg), "c4a": c4a.get_kv_cache_spec(cfg),
+             "c128a": c128a.get_kv_cache_spec(cfg)}
+    assert {k: (s.state_content_bytes, s.num_states if hasattr(s, "num_states") else None, s.page_size_bytes)
+            for k, s in specs.items()} == {"window": (384, 64, 64 * 384), "c4a": (384, 64, 64 * 384),
+                                           "c128a": (384, 2, 2 * 384)}
+    assert window.get_kv_cache_spec(cfg) is None  # a window-only layer has no compressed pool
+    # the same pages hold the same entries: 584-byte pages are 37440 / 1728 bytes (padded to 576)
+    assert [round(layout.FP8_RECORD.page_bytes(p) / s.page_size_bytes, 2)
+            for p, s in ((64, specs["c4a"]), (2, specs["c128a"]))] == [1.52, 2.25]
+    assert type(c4a.compressor).__name__ == "MlaSm120Nvfp4DeepseekCompressor" and window.compressor is None
+    assert cfg.cache_config.cache_dtype == "nvfp4_ds_mla"  # not rewritten to fp8_ds_mla
+    with pytest.raises(ValueError, match="only supports fp8 kv-cache"):
+        _build(_vllm_config(model_dir, custom=False, cache_dtype="nvfp4_ds_mla"), layers=(0,))
+
+
+def _own_slots(b: Batch, block: int) -> torch.Tensor:
+    """Each token's own window-cache slot (what vLLM's slot mapping holds)."""
+    table = _block_table(block)
+    return torch.tensor([int(table[int(b.req[t]), int(b.pos[t]) // block]) * block + int(b.pos[t]) % block
+                         for t in range(b.tokens)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("index, qlens", [(0, MIXED), (2, DECODES)], ids=["window-mixed", "c128a-decode"])
+def test_an_nvfp4_step_writes_the_record_and_its_forward_matches_float64(model_dir, sm, index, qlens):
+    """vLLM's step on the plugin's layer: the q / KV insert (the plugin's writer in place of vLLM's fused
+    fp8 op) stores this step's rows into the window pool, then forward_mqa reads both 384-byte pools."""
+    from vllm.forward_context import set_forward_context
+
+    from layout_oracle import dsv4_roped_bf16
+
+    sm(12, 0)
+    cfg = _vllm_config(model_dir, cache_dtype="nvfp4_ds_mla")
+    (layer,) = _build(cfg, "v4", (index,))
+    b = Batch(qlens)
+    swa = layer.swa_cache_layer
+    swa_md, swa_idx, swa_len = _swa_metadata(b, swa.block_size, layer.window_size)
+    swa_md.slot_mapping = _own_slots(b, swa.block_size)
+    swa.kv_cache, swa_pages, swa_page = _pool(swa.get_kv_cache_spec(cfg), swa_md.block_table, 1, NVFP4)
+    parts = [(swa_pages, swa_idx, swa_len, swa_page)]
+    metadata = {swa.prefix: swa_md}
+    if layer.compress_ratio > 1:
+        md, c_idx, c_len = _c128a_metadata(b, cfg.cache_config.block_size)
+        layer.kv_cache, c_pages, c_page = _pool(layer.get_kv_cache_spec(cfg), md.block_table, 2, NVFP4)
+        parts.append((c_pages, c_idx, c_len, c_page))
+        metadata[layer.prefix] = md
+    gen = torch.Generator().manual_seed(index + 10)
+    with torch.no_grad():
+        layer.attn_sink.copy_(torch.randn(layer.padded_heads, generator=gen))
+    q = (torch.randn(b.tokens, layer.n_local_heads, 512, generator=gen) * 3).to(torch.bfloat16)
+    kv = torch.randn(b.tokens, 512, generator=gen).to(torch.bfloat16)
+    out = torch.full((b.tokens, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
+    with set_forward_context(metadata, cfg, num_tokens=b.tokens):
+        q_in = layer._fused_qnorm_rope_kv_insert(q, kv, b.pos, metadata)
+        layer.forward_mqa(q_in, kv, b.pos, out)
+    cos_sin = layer.rotary_emb.cos_sin_cache
+    for t, slot in enumerate(swa_md.slot_mapping.tolist()):  # this step's rows, as FlashInfer's record
+        row = dsv4_roped_bf16(kv[t].float(), cos_sin[b.pos[t], :32], cos_sin[b.pos[t], 32:])
+        assert torch.equal(pack.gather(swa_pages, torch.tensor([slot]), swa_page, NVFP4),
+                           pack.gather(pack_one(row), torch.tensor([0]), 1, NVFP4)), t
+    x = q.double() * torch.rsqrt(q.double().square().mean(-1, keepdim=True) + layer.eps)
+    assert q_in.shape == (b.tokens, layer.padded_heads, 512) and bool((q_in[:, layer.n_local_heads:] == 0).all())
+    assert torch.allclose(q_in[:, :layer.n_local_heads, :448].double(), x[..., :448], rtol=2 ** -7, atol=1e-6)
+    want = dsv4_oracle_attention(q_in, parts, layer.attn_sink.detach(), record="nvfp4")
+    got = measure(out, want)
+    assert EXACT_CLASS_BOUND.violations(got) == [], got
+
+
+def pack_one(row: torch.Tensor) -> torch.Tensor:
+    cache = pack.new_cache(1, 1, record=NVFP4)
+    pack.write(cache, row[None], torch.tensor([0]), 1, record=NVFP4)
+    return cache
+
+
+def test_the_compressor_stores_the_nvfp4_record_through_vllms_override_point(model_dir, sm):
+    """vLLM's compressor calls _compress_norm_rope_store after saving its states (its documented
+    override point); the plugin's compressor class stores the compressed rows as the 384-byte record."""
+    from vllm.models.deepseek_v4.compressor import CompressorMetadata
+
+    from layout_oracle import dsv4_compressed_row, dsv4_nvfp4_entry, dsv4_roped_bf16, encode_dsv4_nvfp4_row
+
+    sm(12, 0)
+    cfg = _vllm_config(model_dir, cache_dtype="nvfp4_ds_mla")
+    (layer,) = _build(cfg, "v4", (2,))  # C128A: one entry every 128 tokens, no overlap
+    comp = layer.compressor
+    b = Batch([1, 1, 1])
+    b.pos = torch.tensor([255, 39, 511])  # tokens 0 and 2 close a 128-token block
+    gen = torch.Generator().manual_seed(7)
+    state_block, width = 8, 512
+    state_table = (torch.randperm(300, generator=gen)[:3 * 80].view(3, 80) + 1).int()
+    states = torch.randn(301, state_block, 2 * width, generator=gen)
+    md, _, _ = _c128a_metadata(b, cfg.cache_config.block_size)
+    md.slot_mapping = torch.tensor([3, 5, 8], dtype=torch.int64)  # compressed slots
+    layer.kv_cache, c_pages, c_page = _pool(layer.get_kv_cache_spec(cfg), md.block_table, 3, NVFP4)
+    before = c_pages.clone()
+    state_md = CompressorMetadata(block_table=state_table, slot_mapping=torch.tensor([1, 2, 3]),
+                                  block_size=state_block, token_to_req_indices=b.req)
+    with torch.no_grad():
+        comp.norm.weight.copy_(torch.randn(512, generator=gen) / 4 + 1)
+    comp._compress_norm_rope_store(state_md, states, width, b.pos, layer.rotary_emb, {layer.prefix: md}, {})
+    cos_sin = layer.rotary_emb.cos_sin_cache
+    for t, slot in ((0, 3), (2, 8)):
+        pos = int(b.pos[t])
+        rows = [states[state_table[t, p // state_block], p % state_block] for p in range(pos - 127, pos + 1)]
+        entry = dsv4_compressed_row([r[:512] for r in rows], [r[512:] for r in rows], comp.norm.weight.detach(),
+                                    comp.rms_norm_eps)
+        start = pos // 128 * 128
+        row = dsv4_roped_bf16(entry, cos_sin[start, :32], cos_sin[start, 32:])
+        assert dsv4_nvfp4_entry(c_pages, slot, c_page) == encode_dsv4_nvfp4_row(row.float().tolist()), t
+    untouched = [s for s in range(c_pages.shape[0] * c_page) if s not in (3, 8)]
+    assert all(dsv4_nvfp4_entry(c_pages, s, c_page) == dsv4_nvfp4_entry(before, s, c_page) for s in untouched[:40])

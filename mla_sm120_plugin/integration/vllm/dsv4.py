@@ -147,8 +147,9 @@ def _refuse_context_parallel(vllm_config: Any) -> None:
 
 def plan_key(vllm_config: Any) -> tuple[Any, ...]:
     """What a plan depends on: the model (a draft is planned on its own), parallelism, drafts, the
-    plugin config and the device capability. Not the cache dtype's spelling: the first layer rewrites
-    vLLM's ``fp8`` to ``fp8_ds_mla`` (the same record), and a refused one never makes a plan."""
+    plugin config, the device capability and the record the cache dtype names (not its spelling: the
+    first layer rewrites vLLM's ``fp8`` to ``fp8_ds_mla``, the same record; a refused one never makes
+    a plan)."""
     import json
 
     from vllm.platforms import current_platform
@@ -161,7 +162,8 @@ def plan_key(vllm_config: Any) -> tuple[Any, ...]:
     return (str(model_config.model), tuple(model_config.architectures or ()),
             vllm_config.parallel_config.tensor_parallel_size, spec.num_speculative_tokens if spec else 0,
             bool(getattr(vllm_config.attention_config, "use_non_causal", False)),
-            json.dumps(inline, sort_keys=True, default=str), str(current_platform.get_device_capability()))
+            json.dumps(inline, sort_keys=True, default=str), str(current_platform.get_device_capability()),
+            str(vllm_config.cache_config.cache_dtype).startswith("nvfp4"))
 
 
 def plan_for(vllm_config: Any) -> Any:
@@ -208,9 +210,13 @@ def _plan(vllm_config: Any) -> Any:
 def plugin_class(base: type) -> type:
     """The plugin's subclass of ``base`` (a module's ``DeepseekV4FlashInferSM120Attention``), made
     once, with that module's kernel call routed through :data:`_route`."""
+    from . import dsv4_nvfp4
+
     classes = _state["classes"]
     if base not in classes:
         _route_kernel_global(sys.modules[base.__module__])
+        for cls in base.__mro__:  # vLLM's resolver lives beside its base layer class
+            dsv4_nvfp4.wrap_resolver(sys.modules[cls.__module__])
         classes[base] = type(f"MlaSm120{base.__name__}", (RoutedDsv4Attention, base),
                              {"__module__": __name__, "__qualname__": f"MlaSm120{base.__name__}"})
     return classes[base]
@@ -244,7 +250,7 @@ class RoutedDsv4Attention:
     """Mixed in before vLLM's SM120 DeepSeek-V4 class: binds each phase's kernel from the plan."""
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        from ...dispatch.catalog import FLASHINFER_DSV4
+        from . import dsv4_nvfp4
 
         plan = plan_for(vllm_config)
         base = type(self).__mro__[2]  # vLLM's SM120 class: (this class, the mixin, base, ...)
@@ -252,7 +258,14 @@ class RoutedDsv4Attention:
         # kernel takes a phase, skip that gate: run the base layer's __init__ and the o-projection
         # recipe the SM120 __init__ sets (its fp8 per-tensor buffers are for a float8 cache, never
         # the uint8 record this class reads).
-        super(base, self).__init__(vllm_config, *args, **kwargs)
+        token = dsv4_nvfp4.building(plan.record)
+        try:
+            super(base, self).__init__(vllm_config, *args, **kwargs)
+        finally:
+            dsv4_nvfp4.done_building(token)
+        self.mla_sm120_record = plan.record
+        if plan.record == dsv4_nvfp4.NVFP4_DSV4:
+            dsv4_nvfp4.adopt(self)
         kind = layer_kind(self)
         decision = plan.decisions.get(kind)
         if decision is None:
@@ -267,8 +280,22 @@ class RoutedDsv4Attention:
         self._einsum_recipe, self._tma_aligned_scales = recipe() if block is None else recipe(block)
         kernels = _verified(kind, decision, sys.modules[base.__module__])
         self.mla_sm120_kernels = dict(kernels)
-        self._mla_sm120_route = {phase: None if name == FLASHINFER_DSV4 else _bound(name)
+        self._mla_sm120_route = {phase: _route_for(name, plan.record, sys.modules[base.__module__])
                                  for phase, name in kernels.items()}
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        from . import dsv4_nvfp4
+
+        spec = super().get_kv_cache_spec(vllm_config)  # type: ignore[misc]
+        return dsv4_nvfp4.compressed_spec(spec) if self.mla_sm120_record == dsv4_nvfp4.NVFP4_DSV4 else spec
+
+    def _fused_qnorm_rope_kv_insert(self, q: Any, kv: Any, positions: Any, attn_metadata: Any) -> Any:
+        from . import dsv4_nvfp4
+
+        if self.mla_sm120_record != dsv4_nvfp4.NVFP4_DSV4 or not isinstance(attn_metadata, dict):
+            # vLLM's own: the fp8 record, or a profile run (no metadata: q padded, nothing written)
+            return super()._fused_qnorm_rope_kv_insert(q, kv, positions, attn_metadata)  # type: ignore[misc]
+        return dsv4_nvfp4.insert_window(self, q, kv, positions, attn_metadata)
 
     def _routed(self, phase: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         token = _route.set(self._mla_sm120_route[phase])
@@ -284,10 +311,22 @@ class RoutedDsv4Attention:
         return self._routed("prefill", super()._forward_prefill, *args, **kwargs)  # type: ignore[misc]
 
 
-def _bound(name: str) -> Callable[..., Any]:
-    from ...dispatch.binding import bind
+def _route_for(name: str, record: str, module: Any) -> Callable[..., Any] | None:
+    """What a phase's kernel call runs: None (vLLM's own FlashInfer call, unchanged) for the fp8
+    record; else the kernel, told the record (vLLM's call passes no kv_cache_format)."""
+    import functools
 
-    return bind(name).fn
+    from ...dispatch.binding import bind
+    from ...dispatch.catalog import FLASHINFER_DSV4
+    from ...kernels.dsv4.layout import FLASHINFER_FORMAT, FP8_DSV4
+
+    if name == FLASHINFER_DSV4:
+        if record == FP8_DSV4:
+            return None
+        fn = getattr(module, KERNEL_GLOBAL).__wrapped__
+    else:
+        fn = bind(name).fn
+    return fn if record == FP8_DSV4 else functools.partial(fn, kv_cache_format=FLASHINFER_FORMAT[record])
 
 
 def _verified(kind: str, decision: Any, module: Any) -> dict[str, str]:
