@@ -435,7 +435,9 @@ def _capacity_text(geometry: Dsv4Geometry, record: Dsv4Record) -> str:
     if record.name == FP8_RECORD.name:
         return f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers)"
     return (f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers); "
-            f"the {FP8_RECORD.token_bytes}-byte fp8 record: {counts[FP8_RECORD.name]:,} -> {cap['ratio']:.2f}x")
+            f"the {FP8_RECORD.token_bytes}-byte fp8 record: {counts[FP8_RECORD.name]:,} -> {cap['ratio']:.2f}x "
+            "(the compressed caches alone: vLLM 0.33 gives every block a page of each cache, the window's and the "
+            "indexer's and compressor's too, which the record does not shrink, so its block count grows less)")
 
 
 def explain_plan(p: Dsv4Plan) -> str:

@@ -417,3 +417,51 @@ def test_the_compressor_stores_the_nvfp4_record_through_vllms_override_point(mod
         assert dsv4_nvfp4_entry(c_pages, slot, c_page) == encode_dsv4_nvfp4_row(row.float().tolist()), t
     untouched = [s for s in range(c_pages.shape[0] * c_page) if s not in (3, 8)]
     assert all(dsv4_nvfp4_entry(c_pages, s, c_page) == dsv4_nvfp4_entry(before, s, c_page) for s in untouched[:40])
+
+
+def _v4_flash_mix_dir(tmp_path) -> str:
+    """The tiny model with V4-Flash's 43 layers: transformers' default pattern (2 C128A, then C4A /
+    C128A alternating: 20 C4A, 23 C128A; every layer has its window cache)."""
+    from transformers import DeepseekV4Config
+
+    n = 43
+    types = ["heavily_compressed_attention"] * 2 + [LAYER_TYPES[1] if i % 2 else LAYER_TYPES[2] for i in range(n - 2)]
+    cfg = DeepseekV4Config(
+        vocab_size=256, hidden_size=1024, moe_intermediate_size=128, num_hidden_layers=n, num_attention_heads=16,
+        num_key_value_heads=1, head_dim=512, q_lora_rank=256, o_lora_rank=256, o_groups=2, num_experts_per_tok=2,
+        n_routed_experts=4, n_shared_experts=1, max_position_embeddings=MAX_LEN, sliding_window=128,
+        index_n_heads=4, index_head_dim=128, index_topk=64, num_nextn_predict_layers=0, layer_types=types,
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * (n - 3))
+    cfg.architectures = ["DeepseekV4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_vllms_block_accounting_gives_the_nvfp4_record_more_blocks(tmp_path, sm):
+    """vLLM's engine-core planning (layout, groups, blocks) over every cache V4-Flash's 43 layers register
+    (window, compressed, indexer K, compressor states), in the same 8 GiB: more blocks with the 384-byte
+    record, but less than 1.52x (the indexer's and compressor's caches and the window pages' share of
+    each block are not the record's). Prints the counts (-s)."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    sm(12, 0)
+    model = _v4_flash_mix_dir(tmp_path)
+    blocks = {}
+    for dtype in ("fp8", "nvfp4_ds_mla"):
+        cfg = _vllm_config(model, cache_dtype=dtype)
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = False  # what a GPU engine runs for DeepSeek-V4
+        _build(cfg, layers=tuple(range(43)))
+        specs = {name: spec for name, module in cfg.compilation_config.static_forward_context.items()
+                 if hasattr(module, "get_kv_cache_spec") and (spec := module.get_kv_cache_spec(cfg)) is not None}
+        # as vLLM's engine core plans them: the layout its backends share, the groups, the blocks
+        backends = {cfg.compilation_config.static_forward_context[name].get_attn_backend() for name in specs}
+        resolve_kv_cache_layout(cfg, [[lay.name for lay in get_supported_kv_cache_layouts(backends)]], specs.values())
+        (config,) = get_kv_cache_configs(cfg, [specs], [8 << 30], get_global_kv_cache_groups(cfg, [specs]))
+        blocks[dtype] = config.num_blocks
+    ratio = blocks["nvfp4_ds_mla"] / blocks["fp8"]
+    print(f"vLLM blocks in 8 GiB at V4-Flash's layer mix: {blocks}, {ratio:.3f}x")
+    assert 1.0 < ratio < NVFP4_GAIN, blocks
+
+
+NVFP4_GAIN = layout.FP8_RECORD.token_bytes / layout.NVFP4_RECORD.token_bytes  # 1.52: the record alone
