@@ -314,13 +314,12 @@ def plan(
                         dspark=dspark)
     refusal = device_refusal(device, limits.engine)
     if refusal is not None:
-        fix = refusal.fix
+        given, fix = f"model_arch={facts.arch}, {refusal.reason}", refusal.fix
         if str(kv_cache_dtype) in engine.nvfp4_spellings + nvfp4_spellings_elsewhere(engine):
+            given = f"model_arch={facts.arch}, kv_cache_dtype={kv_cache_dtype}, {refusal.reason}"
             fix += (f", with --kv-cache-dtype {engine.kv_spellings[-1]}: no engine has an NVFP4 DeepSeek-V4 cache "
                     "there (FlashInfer's 384-byte record is SM120/SM121 only)")
-        raise UnsupportedConfiguration(format_error(
-            f"model_arch={facts.arch}, kv_cache_dtype={kv_cache_dtype or 'auto'}, {refusal.reason}", refusal.supported,
-            fix))
+        raise UnsupportedConfiguration(format_error(given, refusal.supported, fix))
     _tp_refusal(facts, limits.tensor_parallel_size, device)
     record = _kv_record(engine, kv_cache_dtype, facts, device, dspark)
     base = build_context(facts, settings, device, None, limits)
