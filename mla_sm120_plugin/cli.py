@@ -244,7 +244,8 @@ def self_check_rows() -> list[dict[str, Any]]:
         if probe_reasons(spec, dev):
             continue  # `doctor` already says why it cannot run here
         if spec.family == DSV4_FAMILY:
-            continue  # DeepSeek-V4 kernels: planned only; the engines call them themselves
+            rows.extend(_dsv4_self_check_rows(name, spec, target))
+            continue
         for kv_layout in sorted(spec.kv_cache_dtypes):
             for scale_format in SCALE_FORMATS if kv_layout == FP8_DS_MLA else (SCALE_FORMATS[1],):
                 for phase in sorted(spec.phases):
@@ -267,6 +268,41 @@ def self_check_rows() -> list[dict[str, Any]]:
                                    tolerance=result.tolerance, bound=_bound_row(result.bound),
                                    seconds=result.seconds, error=result.error)
                     rows.append(row)
+    return rows
+
+
+# The DeepSeek-V4 self-check's pages: vLLM's window pages and C128A's 2-entry compressed pages.
+DSV4_CHECK_PAGES = (64, 2)
+
+
+def _dsv4_self_check_rows(name: str, spec: Any, target: str) -> list[dict[str, Any]]:
+    """A DeepSeek-V4 kernel's self-check on each record it reads (the engines' call: one case for both
+    phases, a window cache and a compressed cache with -1 / out-of-range ids, empty rows and sinks)."""
+    from .dispatch import dsv4 as dsv4_dispatch
+    from .dispatch.binding import bind
+
+    rows = []
+    window_page, extra_page = DSV4_CHECK_PAGES
+    for record in sorted(spec.kv_cache_dtypes):
+        row = dict(kernel=name, phase="both", kv_layout=record, scale_format=None, heads=SELF_CHECK_HEADS,
+                   topk=None, device=target)
+        try:
+            fn = bind(name).fn
+        except MlaSm120Error as exc:  # the entry does not import
+            row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None, tolerance=spec.tolerance,
+                       bound=_bound_row(spec.accuracy), seconds=0.0, error=f"{type(exc).__name__}: {exc}")
+            rows.append(row)
+            continue
+        import torch
+
+        result = dsv4_dispatch.check(name, fn, num_heads=SELF_CHECK_HEADS, window_page=window_page,
+                                     extra_page=extra_page, device=torch.device(target), record=record)
+        got = result.measured
+        row.update(ran=got is not None, passed=result.passed, cos_diff=None if got is None else got.cos_diff,
+                   rel_rms=None if got is None else got.rel_rms, max_error=None if got is None else got.max_rel,
+                   tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=result.seconds,
+                   error=result.error)
+        rows.append(row)
     return rows
 
 

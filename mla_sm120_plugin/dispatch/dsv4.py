@@ -186,6 +186,7 @@ class Dsv4CheckResult:
     seconds: float
     error: str | None
     summary_text: str
+    measured: Any = None  # the kernel's Accuracy against float64 (None: it did not run)
 
     @property
     def passed(self) -> bool:
@@ -272,7 +273,7 @@ def check(name: str, fn: Callable[..., Any], *, num_heads: int, window_page: int
     spec = get_registry().kernels[name]
     start = time.perf_counter()
     inputs = _case(key, device)
-    error, text = None, ""
+    error, text, got = None, "", None
     try:
         with selfcheck._forward_time_defaults():
             workspace = (torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -288,7 +289,7 @@ def check(name: str, fn: Callable[..., Any], *, num_heads: int, window_page: int
             error = f"{', '.join(over)} against float64 (bound {spec.accuracy.summary()})"
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
         error = selfcheck._one_line(exc)
-    result = Dsv4CheckResult(key, time.perf_counter() - start, error, text)
+    result = Dsv4CheckResult(key, time.perf_counter() - start, error, text, got)
     _results[key] = result
     return result
 

@@ -228,3 +228,15 @@ def test_a_faulty_fast_kernel_falls_back_naming_why(monkeypatch):
                                     strict=False)
     assert chosen["decode"].name == TRITON, line
     assert f"decode={TRITON_FAST} FAILED" in line and "against float64" in line and f"falling back to {TRITON} ok" in line
+
+
+def test_doctor_self_check_runs_the_dsv4_kernel_on_both_records():
+    """`doctor --self-check` runs the DeepSeek-V4 kernels too (the engines' call on each record they read)."""
+    from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
+    from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
+
+    done, checks = _doctor_checks()
+    assert done.returncode == 0, done.stderr
+    rows = {c["kv_layout"]: c for c in checks if c["kernel"] == TRITON_DSV4}
+    assert sorted(rows) == sorted(dsv4_layout.RECORDS)
+    assert all(r["ran"] and r["passed"] and r["rel_rms"] <= r["bound"]["rel_rms"] for r in rows.values()), rows
