@@ -1,5 +1,5 @@
 """DeepSeek-V4 attention accuracy: the torch reference and the Triton kernel against float64 over the
-dequantized rows (FACTS §15's metrics: cos_diff, relRMS, max |out - ref| / max |ref|), in the regimes
+dequantized rows (FlashMLA's metrics, docs/facts.md#accuracy-metrics-and-regimes: cos_diff, relRMS, max |out - ref| / max |ref|), in the regimes
 the DSA kernels are measured in: flat (q ~ randn / 10), peaked (q ~ randn, softmax scale 512^-0.5:
 a few candidates dominate), few candidates (5 window slots a row, no compressed ones), each with
 finite per-head sinks, a C4A-like layer (128 window slots, 512 compressed slots, 64-entry pages), on

@@ -12,7 +12,7 @@ Prints a Markdown table (or JSON with --json): per model and cache, the output e
 metrics (mla_sm120_plugin.kernels.accuracy: cos_diff, relRMS, and the max error relative to the
 truth's largest |value|; the worst over the seeds), and the bytes a token.
 
-Softmax scales (FACTS.md section 2: the model's ``layer.scaling``): GLM-5 (qk_nope 192 + rope 64,
+Softmax scales (the model's ``layer.scaling``, docs/facts.md#softmax-scales): GLM-5 (qk_nope 192 + rope 64,
 no YaRN) 256 ** -0.5; DeepSeek-V3.2 (qk_nope 128 + rope 64, YaRN factor 40 with mscale_all_dim 1,
 scaling *= mscale ** 2, mscale = 0.1 * ln(40) + 1) 192 ** -0.5 * mscale ** 2.
 """

@@ -1,6 +1,6 @@
 """An independent reader of the cache bytes, and attention in float64: the tests' ground truth.
 
-Written from FACTS.md §3, §4 and §13 alone, with Python's ``struct`` and integer arithmetic: no torch
+Written from docs/facts.md (DSA cache layouts, sparse-MLA semantics, rope-less layouts) alone, with Python's ``struct`` and integer arithmetic: no torch
 fp8 dtype, no ``view(torch.float32)``, nothing of ``mla_sm120_plugin.kernels`` (not even
 ``layout``'s numbers). A kernel, the packer or the torch reference that reads a byte wrong
 disagrees with it.
@@ -172,7 +172,7 @@ def decode_cache(kv_cache: torch.Tensor, layout: str) -> torch.Tensor:
 
 def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_scale: float,
               topk_length: torch.Tensor | None = None, sink: torch.Tensor | None = None):
-    """FACTS §4 in float64, token by token and head by head over each token's valid candidates.
+    """The sparse-MLA semantics (docs/facts.md#sparse-mla-semantics) in float64, token by token and head by head over each token's valid candidates.
 
     keys: [num_slots, D] float64 (:func:`decode_cache`; D = 576, or 512 rope-less), q: [T, H, D].
     Returns out [T, H, 512] and the natural-log
@@ -197,7 +197,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_sca
     return out, lse
 
 
-# DeepSeek-V4's 584-byte page-major record (FACTS §14): data rows [P x 576], then scale rows [P x 8].
+# DeepSeek-V4's 584-byte page-major record (docs/facts.md#deepseek-v4): data rows [P x 576], then scale rows [P x 8].
 _DSV4_DATA, _DSV4_SCALES, _DSV4_NOPE, _DSV4_SCALE = 576, 8, 448, 512**-0.5
 
 
@@ -277,7 +277,7 @@ def dsv4_oracle_attention(q, parts, sinks, record: str = "fp8") -> torch.Tensor:
 
 
 def dsv4_roped_bf16(row: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V4's KV rope (FACTS §14: GPT-J pairs over the last 64 values, in fp32), then bf16:
+    """DeepSeek-V4's KV rope (docs/facts.md#deepseek-v4: GPT-J pairs over the last 64 values, in fp32), then bf16:
     ``row`` [512] fp32, ``cos`` / ``sin`` [32] -> [512] bfloat16 (the NoPE values only rounded)."""
     out = row.float().clone()
     even, odd = row[448::2].float(), row[449::2].float()

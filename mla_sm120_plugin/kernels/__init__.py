@@ -3,10 +3,17 @@
 - :mod:`.dsa`: DeepSeek Sparse Attention over one paged latent cache (GLM-5, DeepSeek-V3.2, the
   rope-less GLM-5.3-Flash): cache layouts as data (:mod:`.dsa.layout`), packers and dequantization
   (:mod:`.dsa.pack`, :mod:`.dsa.nvfp4`), the torch reference (:mod:`.dsa.reference`), the Triton
-  kernels (:mod:`.dsa.triton`, :mod:`.dsa.triton_fast`) and their launch plans (:mod:`.dsa.triton_plan`).
+  kernels (:mod:`.dsa.triton`, :mod:`.dsa.triton_fast`, their shared parts :mod:`.dsa.triton_parts`) and their
+  launch plans (:mod:`.dsa.triton_plan`).
 - :mod:`.dsv4`: DeepSeek-V4 attention over two paged caches in one call (a sliding window and a
   compressed cache) with per-head sinks: the 584-byte record as data (:mod:`.dsv4.layout`), its
-  packer and dequantization (:mod:`.dsv4.pack`), the torch reference (:mod:`.dsv4.reference`).
+  packer and dequantization (:mod:`.dsv4.pack`), the torch reference (:mod:`.dsv4.reference`), the
+  Triton kernel (:mod:`.dsv4.triton`) and the NVFP4 record's writers (:mod:`.dsv4.nvfp4_writer`).
+- :mod:`.shared`: what both families use, beside them (neither family imports the other): the
+  launch record and the Triton numerics helpers (:mod:`.shared.triton`), the number formats in torch
+  (:mod:`.shared.formats`), pure host helpers (:mod:`.shared.host`). The DSA kernels' own shared
+  parts are :mod:`.dsa.triton_parts`. Design notes and measurements: docs/kernels.md; the external
+  facts the code relies on: docs/facts.md.
 
 A module here knows nothing of the plugin: it imports no hook, registry, selection, config, engine
 or integration module, and only :mod:`mla_sm120_plugin.errors` from outside this package

@@ -1,4 +1,4 @@
-"""How close a kernel's output is to the truth, in FlashMLA's metrics (FACTS.md section 15).
+"""How close a kernel's output is to the truth, in FlashMLA's metrics (docs/facts.md#accuracy-metrics-and-regimes).
 
 The truth is float64 attention over the *dequantized* cache rows, so only a kernel's own arithmetic
 counts (the cache's rounding is the same for every kernel). Three numbers over the whole output:

@@ -1,4 +1,4 @@
-"""The accuracy regimes of FlashMLA's and FlashInfer's SM120 tests (FACTS.md section 15), as inputs.
+"""The accuracy regimes of FlashMLA's and FlashInfer's SM120 tests, as inputs (docs/facts.md#accuracy-metrics-and-regimes).
 
 Shared by the kernel tests (tests/kernels/test_accuracy.py, whose truth is the independent byte
 reader tests/layout_oracle.py) and the accuracy benchmark (benchmarks/kernel_accuracy.py), so both
@@ -19,7 +19,7 @@ import torch
 from mla_sm120_plugin.kernels.dsa import layout, pack
 
 REGIMES = ("flat", "peaked", "outlier", "few")
-PEAKED_SM_SCALE = 0.135  # DeepSeek-V3.2's layer.scaling (FACTS.md section 2)
+PEAKED_SM_SCALE = 0.135  # DeepSeek-V3.2's layer.scaling: 192 ** -0.5 * mscale ** 2 = 0.1352 (docs/facts.md)
 
 
 @dataclass

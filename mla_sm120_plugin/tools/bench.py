@@ -3,30 +3,15 @@ measured in the same run, for the exact and the fast Triton kernels side by side
 configuration table's choice and its neighbours. Public torch/Triton APIs only; the CPU memory
 harness, which needs torch's private dispatch hooks, lives in ``benchmarks/cpu_memory.py``.
 
-Per shape (an fp8_ds_mla cache by default - any layout of ``layout.KV_LAYOUTS`` with
-``kv_layout=``, e.g. GLM-5.3-Flash's rope-less ``fp8_ds_mla_nope`` - with arbitrary-fp32 scales,
-bf16 q, top-k 2048; T = 1 / 64 / 2048 tokens x 4 / 8 / 16 / 64 / 128 heads) and per kernel and
-launch configuration, as vLLM calls it (the kernel function with its own output buffer, no
-``sparse_mla_forward`` validation):
-
-* ``eager_us``: ``triton.testing.do_bench`` (launches back to back, host time included);
-* ``graph_us``: ``triton.testing.do_bench_cudagraph`` (what vLLM's captured decode sees);
-* ``host_us``: eager minus graph, the launch and Python cost of one call;
-* ``gbps``: ``T * topk * row`` cache bytes / graph time (``row``: the bytes of a row the kernels
-  load, :func:`~mla_sm120_plugin.kernels.dsa.triton_plan.row_bytes_read`: 656, 528 rope-less), and its
-  fraction of the measured device-to-device copy bandwidth (bytes read plus written);
-* ``tflops``: ``2 * T * H * topk * (head_dim + 512)`` / graph time (head_dim 576, 512 rope-less),
-  and its fraction of the measured dense bf16 matmul rate;
-* ``cos_diff``, ``rel_rms`` and ``max_rel_diff`` against float64 attention over the dequantized
-  rows (the torch reference on a float64 q, on the first :data:`REFERENCE_TOKENS` tokens) and the
-  kernel's declared ``bound`` in the same metrics (:mod:`mla_sm120_plugin.kernels.accuracy`);
-* ``config`` and ``traffic``: the launch configuration and the bytes its launches move
-  (:func:`mla_sm120_plugin.kernels.dsa.triton_plan.traffic`: the same model the table is chosen by,
-  computable without a GPU), so a timing can be read against its bytes.
-
-On sm_90 (H100/H200) the fast kernel's fp8 dots are emulated - Triton widens the e4m3 operands to
-bf16 and runs HMMA, since sm_90 has no fp8 ``mma.sync`` - and every fast row says so in ``note``:
-its numbers there are not SM120's fp8-MMA speed.
+Per shape (:data:`SHAPES`: T = 1 / 64 / 2048 tokens x 4-128 heads, top-k 2048, bf16 q, an
+fp8_ds_mla cache with arbitrary fp32 scales by default or any layout of ``layout.KV_LAYOUTS``) and
+per kernel and launch configuration, called as vLLM calls it (its own output buffer, no
+validation), a row reports ``eager_us``, ``graph_us`` (CUDA graph), ``host_us``, ``gbps`` and
+``tflops`` with their fractions of the measured copy bandwidth and bf16 matmul rate, the accuracy
+against float64 over the dequantized rows with the kernel's declared ``bound``, and the
+``config`` and ``traffic`` (:func:`~mla_sm120_plugin.kernels.dsa.triton_plan.traffic`). On sm_90
+the fast kernel's fp8 dots are emulated and its rows say so in ``note``. Each field's definition:
+docs/kernels.md, section ``tools/bench.py``.
 """
 
 from __future__ import annotations

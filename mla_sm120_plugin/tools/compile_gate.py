@@ -1,30 +1,19 @@
 """Compile every Triton kernel variant the dispatcher can launch, for a GPU this machine need not have.
 
-Triton's interpreter runs a kernel as Python: both branches of a constexpr ``if``, no type
-unification, no register allocation. So a kernel that passes every CPU test can still fail to
-compile, or spill, on a real GPU. This module builds each variant the way a launch would (same
-signature, same argument specialization, same ``num_warps``/``num_stages``/``maxnreg``) with
-``triton.compile`` for a :class:`GPUTarget`, then reads what decides its speed from the tools
-Triton bundles:
+The interpreter runs a kernel as Python (both branches of a constexpr ``if``, no register
+allocation), so a kernel that passes every CPU test can still fail to compile, or spill, on a
+GPU. :func:`launches` builds each variant the way a launch would (the kernels' own launch
+plans); :func:`compile_launch` compiles it with ``triton.compile`` for a :class:`GPUTarget` and
+reads, from the tools Triton bundles, its registers and spills (``ptxas -v``), shared memory,
+static resources (``cuobjdump -res-usage``), SASS MMA and global-load kinds (``nvdisasm``) and
+CTAs per SM (:func:`ctas_per_sm`, from :data:`SM_LIMITS`).
 
-* ``ptxas -v``: registers, spill bytes and the stack frame;
-* ``shared_bytes``: the dynamic shared memory Triton reserves for the launch;
-* ``cuobjdump -res-usage`` on the cubin Triton built: registers, stack and static shared memory;
-* ``nvdisasm`` on that cubin: ``mma`` (each SASS MMA instruction kind and its count, e.g.
-  ``QMMA.SF.16832.F32.E4M3.E4M3.E8``) and ``global_loads`` (each global-load kind with its width:
-  ``LDG.E.128``, ``LDGSTS.E.BYPASS.128`` - asynchronous copies to shared memory - ...);
-* ``ctas_per_sm``: the smaller of the register, shared-memory and thread limits of one SM of the
-  target at the variant's warps (:data:`SM_LIMITS`), with ``ctas_limited_by`` naming the limit.
-
-The gate (:func:`gate_failures`): every variant compiles, without spills, within a block's shared
-memory (spills of a variant whose caches are served only on other arches, :data:`SERVED_ONLY_ON`,
-are reported but do not fail that arch); a fast fp8 variant (``kernel=sparse_mla_fast``) compiled for sm_120a/sm_121a must also run
-its latent dots as block-scaled fp8 MMAs (``QMMA.SF``) and fit the CTAs per SM the launch plan sizes
-its waves with (:data:`~mla_sm120_plugin.kernels.dsa.triton_plan.FAST`). On sm_120a/121a the fast
-variants are compiled twice: with the ptxas Triton bundles and with the CUDA >= 13 ptxas a
-deployment's Triton may be pointed at instead (:func:`system_ptxas`); both must pass.
-
-Used by ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite.
+:func:`gate_failures` is the gate: every variant compiles, without spills (except where its caches
+are served only on other arches, :data:`SERVED_ONLY_ON`), within a block's shared memory; fast fp8
+variants on sm_120a/121a run their latent dots as ``QMMA.SF`` and fit the CTAs per SM the launch
+plan assumes, under the bundled ptxas and a CUDA >= 13 one (:func:`system_ptxas`). Used by
+``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite. More:
+docs/kernels.md, section ``tools/compile_gate.py``.
 """
 
 from __future__ import annotations
@@ -78,7 +67,7 @@ def _describe(describe: dict[str, Any]) -> str:
 
 
 def launches() -> list[Any]:
-    """One :class:`~mla_sm120_plugin.kernels.dsa.triton.Launch` per distinct variant the dispatcher can
+    """One :class:`~mla_sm120_plugin.kernels.shared.triton.Launch` per distinct variant the dispatcher can
     launch: for the exact kernel, cache layout (every one of ``layout.KV_LAYOUTS``, rope-less ones
     included) x output dtype (q's: bf16 or fp32; q itself is always bf16 on a GPU) x final/split;
     for the fast kernel the same over the fp8 layouts (``layout.FP8_LAYOUTS``; a bf16 cache goes to

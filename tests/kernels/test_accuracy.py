@@ -3,7 +3,7 @@
 The truth is tests/layout_oracle.py (an independent byte reader, float64 attention), so only a
 kernel's own arithmetic counts. Each kernel is held to the bound its spec declares
 (``KernelSpec.accuracy``: cos_diff, relRMS, max error; exact class is cos_diff <= 5e-6 and relRMS
-<= 0.3 %), in the anchors' regimes (FACTS.md section 15; mla_sm120_plugin.tools.accuracy_cases:
+<= 0.3 %), in the anchors' regimes (docs/facts.md#accuracy-metrics-and-regimes; mla_sm120_plugin.tools.accuracy_cases:
 flat, peaked, outlier channels, few candidates), and on the inputs a kernel could get wrong without a wrong number showing elsewhere: slots no
 index selects poisoned with NaN bytes, rows with zero candidates, and a ``topk_length`` above
 top-k (SGLang hands per-row lengths; 2**31 - 1 included), which each kernel must clamp itself.
@@ -147,7 +147,7 @@ def test_a_length_above_topk_reads_topk_candidates_and_no_more(kernel, length):
     _within(got, want, spec.accuracy, f"{kernel} topk_length {length}")
 
 
-# --- What a GPU does that the interpreter hides (FACTS.md section 15) ------------------------------
+# --- What a GPU does that the interpreter hides (docs/facts.md#accuracy-metrics-and-regimes) ------------------------------
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -1,6 +1,6 @@
 """DeepSeek-V4's 584-byte record and its torch reference, against an oracle written from the bytes.
 
-The oracle here reads a page-major cache with Python integers and ``struct`` (FACTS §14: a page is
+The oracle here reads a page-major cache with Python integers and ``struct`` (docs/facts.md#deepseek-v4: a page is
 ``[P x 576 data | P x 8 scales]``; data = 448 e4m3 NoPE bytes + 64 little-endian bf16 rope values;
 scales = 7 UE8M0 bytes, value = fp8 * 2 ** (byte - 127), + 1 pad) and computes the attention in
 float64 (sink in the denominator only, V = K, masked -1 / out-of-range / past-length slots, zeros

@@ -42,7 +42,7 @@ TILE = 128
 
 
 def test_the_layouts_are_the_bytes_the_oracle_reads():
-    """layout.py's data against the oracle's own table (FACTS §3, §13): row bytes, rope, fp8."""
+    """layout.py's data against the oracle's own table (docs/facts.md, DSA and rope-less layouts): row bytes, rope, fp8."""
     for name, (row_bytes, rope, fp8) in layout_oracle.ROWS.items():
         lay = layout.get(name)
         assert (lay.token_bytes, lay.rope, lay.fp8, lay.latent, lay.head_dim) == (row_bytes, rope, fp8, 512, 512 + rope)
@@ -73,7 +73,7 @@ def _latent(n: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
 @pytest.mark.parametrize("kv_layout", NOPE_FP8)
 def test_fp8_rows_are_latent_bytes_scales_and_reserved_zeros(kv_layout, scale_format):
-    """Each byte where FACTS §13 puts it: the e4m3 nearest to x / its tile's scale at [0, 512), the
+    """Each byte where docs/facts.md#rope-less-layouts-glm-53-flash puts it: the e4m3 nearest to x / its tile's scale at [0, 512), the
     four scales (amax / 448, or the smallest power of two >= it) at [512, 528), then nothing
     (fp8_nope) or 128 zero bytes (fp8_ds_mla_nope), even over a cache full of garbage."""
     latent = _latent(5)

@@ -22,6 +22,7 @@ from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin import sparse_mla_forward
 from mla_sm120_plugin.kernels.dsa import triton as tk
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
+from mla_sm120_plugin.kernels.dsa.triton_parts import page_divisor
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",
@@ -250,7 +251,7 @@ def test_page_divisor_is_exact_division():
     slot in [0, 2**31) (checked at the slots where an error would show: around multiples)."""
     top = 2**31 - 1
     for page_size in list(range(1, 300)) + [641, 1000, 4096, 65_536, 100_003, 2**20 + 7, 2**30, top]:
-        magic, shift = tk.page_divisor(page_size)
+        magic, shift = page_divisor(page_size)
         near = [k * page_size + d for k in (1, 2, 3, top // page_size - 1, top // page_size) for d in (-1, 0, 1)]
         for slot in [0, 1, page_size - 1, page_size, top, *near]:
             if 0 <= slot <= top:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mla_sm120_plugin.tools import compile_gate
-from mla_sm120_plugin.kernels.dsa import triton as tk
+from mla_sm120_plugin.kernels.shared.triton import Launch
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _returns_two_dtypes(x_ptr, FLAG: tl.constexpr):
 
 
 if __name__ == "__main__":
-    launch = tk.Launch(kernel=_returns_two_dtypes, grid=(1,),
-                       args=(torch.empty(16, dtype=torch.int16),), constexprs=dict(FLAG=True),
-                       num_warps=4, num_stages=1, describe=dict(kernel="probe"))
+    launch = Launch(kernel=_returns_two_dtypes, grid=(1,),
+                    args=(torch.empty(16, dtype=torch.int16),), constexprs=dict(FLAG=True),
+                    num_warps=4, num_stages=1, describe=dict(kernel="probe"))
     print(json.dumps(compile_gate.compile_launch(launch, 120)))

@@ -2,36 +2,18 @@
 
 A layout is data (:class:`CacheLayout`): its widths, its bytes, and which engine writes it. The
 kernels, the packer, the reference and the engine adapters read widths and offsets from it, never
-from a constant that assumes a rope part.
+from a constant that assumes a rope part. The layouts (each one's bytes are stated beside its
+definition below):
 
-``fp8_ds_mla`` (656 bytes a token; vLLM's name, SGLang's ``fp8_e4m3`` for DSA models)::
+- ``fp8_ds_mla`` (656 bytes: fp8 latent, four fp32 scales, bf16 rope);
+- ``fp8_ds_mla_nope`` (656 bytes, rope-less: the last 128 reserved) and ``fp8_nope`` (528 bytes);
+- ``nvfp4_ds_mla`` (352 bytes: e2m1 latent, e4m3 rope, e4m3 block scales);
+- ``bf16`` (576 bfloat16 values) and ``bf16_nope`` (512).
 
-    [  0, 512)  latent ("nope") as float8_e4m3fn, four 128-wide tiles
-    [512, 528)  four float32 scales, one per tile: value = fp8 * scale
-    [528, 656)  RoPE part, 64 x bfloat16, not quantized
-
-``fp8_ds_mla_nope`` (656 bytes; vLLM's fp8_ds_mla row for a rope-less model, GLM-5.3-Flash)::
-
-    [  0, 512)  latent as float8_e4m3fn, four 128-wide tiles
-    [512, 528)  four float32 scales
-    [528, 656)  reserved: written as zeros, never read
-
-``fp8_nope`` (528 bytes; SGLang's packed fp8 row for a rope-less model): the first 528 bytes of
-``fp8_ds_mla_nope``, rows back to back.
-
-``nvfp4_ds_mla`` (352 bytes a token; vLLM's name; only vLLM's DSA writer fills it)::
-
-    [  0, 256)  latent as 512 e2m1 (fp4) values, two a byte, the even element in the low nibble
-    [256, 320)  RoPE part, 64 x float8_e4m3fn, unscaled
-    [320, 352)  32 float8_e4m3fn block scales, one per 16 latent values (value = e2m1 * scale),
-                permuted: the scale of block ``s`` is byte ``320 + 8 * (s & 3) + (s >> 2)``
-
-``bf16`` (1152 bytes: the 576-wide latent + rope as bfloat16) and ``bf16_nope`` (1024 bytes: the
-512-wide latent).
-
-Pages hold :data:`PAGE_SIZE` tokens. This module is pure Python so that the selection and the CLI
-can use it without importing torch; the torch code that packs and unpacks these bytes is in
-:mod:`mla_sm120_plugin.kernels.dsa.pack`.
+Pages hold :data:`PAGE_SIZE` tokens. Pure Python, so that the selection and the CLI can use it
+without importing torch; the torch code that packs and unpacks these bytes is
+:mod:`mla_sm120_plugin.kernels.dsa.pack`. Where the numbers come from: docs/facts.md, section
+"DSA cache layouts".
 """
 
 from __future__ import annotations
@@ -191,14 +173,30 @@ class CacheLayout:
                              f"do not fit ({self.used} elements used)")
 
 
+# fp8_ds_mla, 656 bytes a token (vLLM's name; SGLang's fp8_e4m3 for DSA models):
+#   [  0, 512)  latent ("nope") as float8_e4m3fn, four 128-wide tiles
+#   [512, 528)  four float32 scales, one per tile: value = fp8 * scale
+#   [528, 656)  RoPE part, 64 x bfloat16, not quantized
 DSA = CacheLayout("fp8_ds_mla", KV_LORA_RANK, ROPE_DIM, FP8_LATENT, FP8_DS_MLA_TOKEN_BYTES,
                   "vLLM's DSA writer and SGLang's quantize_k_cache (fp8_e4m3)")
+# fp8_ds_mla_nope, 656 bytes (vLLM's fp8_ds_mla row for a rope-less model, GLM-5.3-Flash):
+#   [  0, 512)  latent as float8_e4m3fn, four 128-wide tiles
+#   [512, 528)  four float32 scales
+#   [528, 656)  reserved: written as zeros, never read
 DSA_NOPE = CacheLayout("fp8_ds_mla_nope", KV_LORA_RANK, 0, FP8_LATENT, FP8_DS_MLA_TOKEN_BYTES,
                        "vLLM's concat_and_cache_mla for a rope-less model (fp8_ds_mla); bytes 528-656 reserved")
+# fp8_nope, 528 bytes (SGLang's packed fp8 row for a rope-less model): the first 528 bytes of
+# fp8_ds_mla_nope, rows back to back.
 FP8_PACKED_NOPE = CacheLayout("fp8_nope", KV_LORA_RANK, 0, FP8_LATENT, FP8_ROPE_OFFSET,
                               "SGLang's packed fp8 row for a rope-less model (fp8_e4m3)")
+# nvfp4_ds_mla, 352 bytes (vLLM's name; only vLLM's DSA writer fills it):
+#   [  0, 256)  latent as 512 e2m1 (fp4) values, two a byte, the even element in the low nibble
+#   [256, 320)  RoPE part, 64 x float8_e4m3fn, unscaled
+#   [320, 352)  32 float8_e4m3fn block scales, one per 16 latent values (value = e2m1 * scale),
+#               permuted: the scale of block s is byte 320 + 8 * (s & 3) + (s >> 2)
 NVFP4_DSA = CacheLayout("nvfp4_ds_mla", KV_LORA_RANK, ROPE_DIM, E2M1_LATENT, NVFP4_DS_MLA_TOKEN_BYTES,
                         "vLLM's DSA writer (fused_norm_rope, MLA_CACHE_NVFP4); no SGLang writer")
+# bf16: 1152 bytes, the 576-wide latent + rope as bfloat16; bf16_nope: 1024 bytes, the 512-wide latent.
 BF16_DSA = CacheLayout("bf16", KV_LORA_RANK, ROPE_DIM, BF16_LATENT, HEAD_DIM, "the engines' bf16 cache")
 BF16_NOPE_LAYOUT = CacheLayout("bf16_nope", KV_LORA_RANK, 0, BF16_LATENT, KV_LORA_RANK,
                                "the engines' bf16 cache for a rope-less model")

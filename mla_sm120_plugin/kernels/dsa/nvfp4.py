@@ -1,24 +1,19 @@
 """The ``nvfp4_ds_mla`` row (352 bytes, :data:`.layout.NVFP4_DSA`) in torch: vLLM's writer and its inverse.
 
-vLLM 0.33.0 fills this cache in ``models/deepseek_v32/common/kernels.py`` (``_fused_norm_rope_kernel``,
-``MLA_CACHE_NVFP4``); :func:`pack_rows` reproduces that writer's arithmetic, step for step, in fp32:
+:func:`pack_rows` reproduces, step for step in fp32, the writer vLLM fills this cache with
+(``_fused_norm_rope_kernel``, ``MLA_CACHE_NVFP4``, in vLLM 0.33's
+``models/deepseek_v32/common/kernels.py``):
 
 1. ``amax`` of each 16-value block of the latent (fp32);
-2. ``sf = e4m3(max(amax * fp32(1/6), 2**-9))``: a multiply by the fp32 constant 1/6 (not a
-   division; the PTX is ``mul.f32 amax, 0f3E2AAAAB``), then ``cvt.rn.satfinite.e4m3x2.f32``:
-   round to nearest even, saturating at 448;
-3. ``q = x * (1 / sf)``: the reciprocal in fp32 (Triton's ``/`` is ``div.full.f32``, which ptxas
-   lowers to ``MUFU.RCP`` for sm_120a; we take the correctly rounded reciprocal, equal wherever
-   ``MUFU.RCP`` rounds correctly: the only inputs are the 126 positive e4m3 values, 8 mantissas);
-4. ``cvt.rn.satfinite.e2m1x2.f32``: round to nearest even onto {0, 0.5, 1, 1.5, 2, 3, 4, 6},
-   saturating at 6, the sign kept (a negative value that rounds to 0 is stored as -0, code 8);
+2. ``sf = e4m3(max(amax * fp32(1/6), 2**-9))``: a multiply by the fp32 constant 1/6, then
+   ``cvt.rn.satfinite.e4m3x2.f32`` (nearest even, saturating at 448);
+3. ``q = x * (1 / sf)``, the reciprocal in fp32;
+4. ``cvt.rn.satfinite.e2m1x2.f32`` of ``q`` (:func:`~mla_sm120_plugin.kernels.shared.formats.e2m1_codes`);
 5. the rope: ``cvt.rn.satfinite.e4m3`` of each value, no scale.
 
-The writer's e2m1 instruction does not run on this machine's CPU (nor on sm_90a): the tests check
-this packer against the formula written again with integer arithmetic (tests/layout_oracle.py).
-
-A stored value is ``e2m1 * sf``: at most 2 x 4 significant bits, so it is exact in fp32 and in
-bfloat16, which is how the kernels read it.
+A stored value is ``e2m1 * sf``: at most 2 x 4 significant bits, exact in fp32 and in bfloat16,
+which is how the kernels read it. Why each step is what it is: docs/kernels.md, section
+``kernels/dsa/nvfp4.py``.
 """
 
 from __future__ import annotations
@@ -26,16 +21,7 @@ from __future__ import annotations
 import torch
 
 from mla_sm120_plugin.kernels.dsa import layout
-
-# e2m1 code -> value: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; code 8 is -0.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-# Code boundaries of round-to-nearest-even over the magnitudes above: a magnitude past each one
-# adds 1 to the code. At a tie the even code (mantissa bit 0) wins, so a tie stays below the
-# boundary when the lower code is even (0.25 -> 0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4) and goes up when
-# the upper is (0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4): strict ">" for the first kind, ">=" for the other.
-_STRICT = (0.25, 1.25, 2.5, 5.0)
-_INCLUSIVE = (0.75, 1.75, 3.5)
+from mla_sm120_plugin.kernels.shared.formats import E2M1_VALUES, e2m1_codes, e4m3_satfinite
 
 _ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # the writer's fp32 constant 0x3E2AAAAB
 
@@ -52,28 +38,6 @@ def _scale_positions(num_scales: int, device) -> torch.Tensor:
     return torch.tensor([scale_byte(s, num_scales) for s in range(num_scales)], dtype=torch.int64, device=device)
 
 
-def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to e2m1 codes like ``cvt.rn.satfinite.e2m1x2.f32``: nearest, ties to even,
-    saturating at +-6, sign kept. NaN is not handled (the writer is never given one).
-
-    q: [...], float32
-    returns: [...], uint8 codes 0..15
-    """
-    mag = q.abs()
-    code = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-    for edge in _STRICT:
-        code += (mag > edge).to(torch.uint8)
-    for edge in _INCLUSIVE:
-        code += (mag >= edge).to(torch.uint8)
-    return code | (torch.signbit(q).to(torch.uint8) << 3)
-
-
-def _e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn like ``cvt.rn.satfinite.e4m3x2.f32``: nearest even, +-448 past the range
-    (torch's own cast gives NaN there)."""
-    return x.clamp(-layout.FP8_E4M3_MAX, layout.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
-
 def block_scales(latent: torch.Tensor) -> torch.Tensor:
     """The writer's e4m3 scale of each 16-value block.
 
@@ -83,7 +47,7 @@ def block_scales(latent: torch.Tensor) -> torch.Tensor:
     n, width = latent.shape
     amax = latent.reshape(n, width // layout.NVFP4_BLOCK, layout.NVFP4_BLOCK).abs().amax(dim=-1)  # [N, 32]
     ratio = torch.clamp(amax * _ONE_SIXTH.to(latent.device), min=layout.NVFP4_SCALE_FLOOR)
-    return _e4m3_satfinite(ratio)
+    return e4m3_satfinite(ratio)
 
 
 def pack_rows(latent: torch.Tensor, lay: layout.CacheLayout) -> torch.Tensor:
@@ -102,7 +66,7 @@ def pack_rows(latent: torch.Tensor, lay: layout.CacheLayout) -> torch.Tensor:
     packed = torch.zeros(n, lay.row, dtype=torch.uint8, device=latent.device)  # [N, 352]
     packed[:, : lay.latent_bytes] = codes[:, 0::2] | (codes[:, 1::2] << 4)  # even element in the low nibble
     if lay.rope:
-        packed[:, lay.rope_offset : lay.rope_offset + lay.rope] = _e4m3_satfinite(x[:, lay.latent :]).view(torch.uint8)
+        packed[:, lay.rope_offset : lay.rope_offset + lay.rope] = e4m3_satfinite(x[:, lay.latent :]).view(torch.uint8)
     scales = torch.empty(n, lay.num_scales, dtype=torch.uint8, device=latent.device)  # [N, 32], stored order
     scales[:, _scale_positions(lay.num_scales, latent.device)] = sf.view(torch.uint8)
     packed[:, lay.scale_offset : lay.scale_offset + lay.scale_bytes] = scales

@@ -1,6 +1,6 @@
 """Torch reference of sparse MLA: the ground truth every other kernel is tested against.
 
-Semantics (FACTS.md section 4): for token ``t`` and head ``h``,
+Semantics (the engines' sparse-MLA contract, docs/facts.md#sparse-mla-semantics): for token ``t`` and head ``h``,
 ``s_j = sm_scale * <q[t, h], K_j>`` over the valid slots ``j`` of ``indices[t]``, where
 ``K_j = [dequant(latent_j), rope_j]`` (``layout.head_dim`` wide: 576 for the DSA layouts, 512 for
 the rope-less ones, which have no ``rope_j``) and ``V_j = K_j[:512]``;

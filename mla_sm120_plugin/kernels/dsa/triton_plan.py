@@ -3,49 +3,17 @@
 Nothing here imports torch or triton: the table, the rule behind it and the traffic model run on
 any machine (``python -m mla_sm120_plugin.kernels.dsa.triton_plan`` prints them).
 
-The kernels. A program handles one query token, ``block_h`` heads and one *split* (a range of
-``chunk`` top-k candidates, ``block_k`` a step). What the compiler made of each kernel's main
-variant, read by :mod:`~mla_sm120_plugin.tools.compile_gate` from the cubin (Triton 3.8):
+A program handles one query token, ``block_h`` heads and one *split* (a range of ``chunk`` top-k
+candidates, ``block_k`` a step). Each kernel's block shape is fixed (:data:`EXACT`, :data:`FAST`,
+with the CTAs per SM the compile gate reads for it), so only the split count is chosen, per (arch
+family, heads bucket, token bucket, top-k bucket), by one rule (:func:`choose_chunk`), evaluated
+once into :func:`table`: fill one wave of resident CTAs, pay for splits only in bytes that cost
+no time, whole ``block_k`` steps per split and at most :data:`MAX_SPLITS`. :func:`traffic` counts
+the bytes a launch plan moves with nothing reused across programs, for any cache layout
+(:func:`row_bytes_read`); the table is chosen once per kernel, family and layout.
 
-* ``triton_sparse_mla`` (exact, bf16 MMAs): 16 heads x 32 candidates, 8 warps, 134 registers and
-  56.8 KB of shared memory on sm_120a, so 1 CTA per SM (2 on sm_90a: 128 registers, 228 KB an SM);
-  fp32 partials (its numerics are the reference's to ~1e-6).
-* ``triton_sparse_mla_fast`` (fp8 MMAs, q and p each as an e4m3 hi + lo pair): 16 x 32, 8 warps,
-  128 registers and 55.5 KB of shared memory, so 1 CTA per SM on sm_120a/121a (by shared memory:
-  the q pair is 16 KB; 1 on sm_90a too, 184 registers there); fp32 partials (bf16 ones, rounded
-  again in the combine, cost an exact-class kernel ~0.1 % relRMS).
-* The rope-less variants (GLM-5.3-Flash's ``fp8_ds_mla_nope`` / ``fp8_nope``, one compiled code):
-  exact 134 registers and 50.7 KB (1 CTA per SM on sm_120a/121a, 2 on sm_90a at 128 registers);
-  fast 128 registers and 49.5 KB (1 CTA per SM, 512 bytes over two; QMMA only: no rope dot). ``bf16_nope``: exact,
-  80 registers and 82.9 KB (1 CTA per SM on sm_120a/121a, by shared memory).
-
-Larger blocks (64 candidates, 32 heads) or 4 warps spill or fall to one CTA an SM on sm_120a, so
-only the split count is left to choose, and it is chosen per (arch family, heads bucket, token
-bucket, top-k bucket) by one rule (:func:`choose_chunk`), evaluated once into :func:`table`:
-
-1. Fill one wave. ``T * head_blocks`` programs exist without splitting; splitting top-k into
-   ``ceil(slots / programs)`` ranges, ``slots = SMs * ctas_per_sm``, gives every resident CTA slot
-   a program (more splits only add partials and q reloads; fewer leave SMs idle, and a gather-bound
-   program hides its latency only behind other CTAs).
-2. Pay for splits only in bytes that do not cost time. Each extra split writes and reads back one
-   partial row per head (``512 x 2`` bytes bf16, 4 for fp32, + a 4-byte LSE) and reloads q; the
-   bytes splitting adds may be at most ``max(20 % of the unsplit launch's bytes, what the GPU moves
-   in one memory latency)`` - below that a launch is latency bound and extra bytes are free - and
-   never more than the cache rows the launch reads.
-3. Whole ``block_k`` steps per split, at most :data:`MAX_SPLITS` splits (the combine walks them all).
-
-The traffic model (:func:`traffic`) counts, from a launch plan, the bytes DRAM must move if nothing
-is reused across programs, for any cache layout (:func:`row_bytes_read`: the bytes of a row the
-kernels load - 656 for ``fp8_ds_mla``, 528 for both rope-less fp8 rows, whose reserved bytes are
-never loaded, 1152 / 1024 for bf16 -, q as wide as the layout's ``head_dim``): cache rows once per
-(token, head block) - rows repeated across head
-blocks are L2 hits in practice, so this is an upper bound -, q once per program, the index ranges
-(plus the one step each split prefetches past its end), partials written and read back, and the
-output; the minimum is cache rows + q + indices + output once. At T=64, 4-16 heads, top-k 2048 the
-rule keeps the plan within 1.2x of the minimum; at T=1, 8-16 heads, its partials stay below the
-cache bytes. The table is chosen once per kernel, family and cache layout: the bytes a row costs
-(656 fp8_ds_mla, 528 rope-less fp8, 352 nvfp4_ds_mla, 1152/1024 bf16) move the byte budget, so
-smaller rows get fewer splits (tests/kernels/test_traffic.py checks the bounds on every layout).
+The rule in full, the compiled shapes behind the block sizes, and the traffic bounds: docs/kernels.md,
+section ``kernels/dsa/triton_plan.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +22,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from mla_sm120_plugin.kernels.dsa import layout
+from mla_sm120_plugin.kernels.shared.host import cdiv
 
 MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
 EXTRA_FRACTION = 0.2  # bytes splitting may add, as a fraction of the unsplit launch's bytes ...
@@ -164,10 +133,6 @@ def _bucket(value: int, edges: tuple[int, ...]) -> int:
     return edges[-1]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class Traffic:
     """Bytes one call's launches move, by kind, with nothing reused across programs.
@@ -214,7 +179,7 @@ def traffic(cfg: LaunchConfig, num_tokens: int, num_heads: int, topk: int, *, q_
     and [T, topk] indices (every candidate valid and distinct: the most a call can read)."""
     lay = layout.get(kv_layout)
     token_bytes = row_bytes_read(kv_layout)
-    head_blocks = _cdiv(num_heads, cfg.block_h)
+    head_blocks = cdiv(num_heads, cfg.block_h)
     q_row = num_heads * lay.head_dim * q_bytes
     out_row = num_heads * lay.latent * out_bytes
     split = cfg.num_splits > 1
@@ -231,24 +196,24 @@ def traffic(cfg: LaunchConfig, num_tokens: int, num_heads: int, topk: int, *, q_
 
 
 def _split(kernel: KernelShape, topk: int, chunk: int) -> LaunchConfig:
-    blocks = _cdiv(max(topk, 1), kernel.block_k)
+    blocks = cdiv(max(topk, 1), kernel.block_k)
     per_split = max(1, min(chunk // kernel.block_k, blocks))
-    return kernel.config(_cdiv(blocks, per_split), per_split)
+    return kernel.config(cdiv(blocks, per_split), per_split)
 
 
 def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_heads: int,
                  topk: int, kv_layout: str = layout.FP8_DS_MLA) -> tuple[int, str]:
     """Candidates per split for this shape over a ``kv_layout`` cache, by the rule in the module
     docstring, and why."""
-    blocks = _cdiv(max(topk, 1), kernel.block_k)
-    programs = num_tokens * _cdiv(num_heads, kernel.block_h)
+    blocks = cdiv(max(topk, 1), kernel.block_k)
+    programs = num_tokens * cdiv(num_heads, kernel.block_h)
     slots = family.num_sms * kernel.ctas_per_sm[family.name]
-    wave = min(_cdiv(slots, programs), blocks, MAX_SPLITS)
+    wave = min(cdiv(slots, programs), blocks, MAX_SPLITS)
     unsplit = traffic(kernel.config(), num_tokens, num_heads, topk, kv_layout=kv_layout)
     budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
     splits, cfg = 1, kernel.config(1, blocks)
     for wanted in range(wave, 1, -1):
-        candidate = _split(kernel, topk, _cdiv(blocks, wanted) * kernel.block_k)
+        candidate = _split(kernel, topk, cdiv(blocks, wanted) * kernel.block_k)
         if traffic(candidate, num_tokens, num_heads, topk, kv_layout=kv_layout).total - unsplit.total <= budget:
             splits, cfg = candidate.num_splits, candidate
             break
@@ -332,7 +297,7 @@ def json_report(family_name: str = DEFAULT_FAMILY) -> dict:
     tables = {}
     for name in KERNELS:
         entries = table(name, family_name)
-        tables[name] = [dict(heads=h, tokens=t, topk=k, splits=_cdiv(k, entries[(h, t, k)][0]),
+        tables[name] = [dict(heads=h, tokens=t, topk=k, splits=cdiv(k, entries[(h, t, k)][0]),
                              chunk=entries[(h, t, k)][0]) for h in HEAD_BUCKETS for t in TOKEN_BUCKETS
                         for k in TOPK_BUCKETS]
     return dict(family=family_name, part=family.part, num_sms=family.num_sms, bandwidth_gbps=family.bandwidth_gbps,
@@ -351,7 +316,7 @@ def format_table(kernel_name: str, family_name: str = DEFAULT_FAMILY) -> str:
             cells = []
             for k in TOPK_BUCKETS:
                 chunk, _ = entries[(h, t, k)]
-                cells.append(f"{_cdiv(k, chunk)} ({chunk})".rjust(11))
+                cells.append(f"{cdiv(k, chunk)} ({chunk})".rjust(11))
             rows.append(f"{h:>4}{t:>6} " + "".join(cells))
     return "\n".join(rows)
 

@@ -1,34 +1,18 @@
-"""DeepSeek-V4's 584-byte fp8 KV record on SM12x, described to the byte once.
+"""DeepSeek-V4's KV records on SM12x, described to the byte once: the 584-byte fp8 one and the 384-byte NVFP4 one.
 
 Every DeepSeek-V4 attention layer (V4-Flash, V4-Pro, V4.1-Flash and their drafts) caches one
 512-wide row a token (or a compressed entry): 448 NoPE values and 64 RoPE values, and q, K and V
-are that whole row. On SM12x both engines store it as the same 584-byte record (vLLM calls the
-cache ``fp8_ds_mla``, SGLang ``fp8_e4m3``; the plugin calls it :data:`FP8_DSV4`), in
-**page-major** order: a page of ``P`` entries is ::
-
-    [0, P * 576)               P data rows, 576 bytes each:
-                                 [  0, 448)  448 NoPE values as float8_e4m3fn (OCP)
-                                 [448, 576)  64 RoPE values as bfloat16 (already rotated, unscaled)
-    [P * 576, P * 576 + P * 8) P scale rows, 8 bytes each:
-                                 [0, 7)      7 UE8M0 exponents, one per 64 NoPE values:
-                                             value = fp8 * 2 ** (byte - 127)
-                                 [7]         pad, written 0, never read
-    [P * 584, page_stride)     padding: the page is rounded up to a multiple of 576 bytes
-
-so an entry's address depends on the page size: slot ``s`` (``page * P + row``, the ids the
-engines hand the kernels) has its data at ``page * page_stride + row * 576`` and its scales at
-``page * page_stride + P * 576 + row * 8``. The page stride is the cache tensor's (an engine may
-place pages further apart than :func:`page_bytes`).
-
-The writers (vLLM's ``quantize_and_insert_k_cache`` and its CUDA twin, SGLang's) store
-``e = ceil(log2(max(amax, 1e-4) / 448))`` per 64-value group and ``fp8(clamp(x / 2**e, +-448))``;
-an all-zero group stores byte 105 (``-22 + 127``).
-
-Pages: vLLM's V4 window cache 64 entries, its compressed caches 256 tokens a page (64 C4A entries,
-2 C128A entries); V4.1 on SM12x: window 32, compressed 128 tokens a page. SGLang: 256-token pages.
+are that whole row. A record (:class:`Dsv4Record`) is stored **page-major**: a page of ``P``
+entries holds ``P`` data rows, then ``P`` scale rows, then padding up to the page stride, so slot
+``s`` (``page * P + row``, the ids the engines hand the kernels) has its data at
+``page * page_stride + row * data_bytes`` and its scales at
+``page * page_stride + P * data_bytes + row * scale_bytes``. The page stride is the cache tensor's
+(an engine may place pages further apart than :meth:`Dsv4Record.page_bytes`). Each record's bytes
+are stated beside its definition below.
 
 Pure Python: the selection and the CLI read these numbers without torch. The torch code that packs
-and unpacks the bytes is :mod:`mla_sm120_plugin.kernels.dsv4.pack`.
+and unpacks the bytes is :mod:`mla_sm120_plugin.kernels.dsv4.pack`. The engines' page sizes and
+writers: docs/facts.md, section "DeepSeek-V4".
 """
 
 from __future__ import annotations
@@ -121,6 +105,14 @@ class Dsv4Record:
                              f"{self.token_bytes} bytes do not hold {self.nope} + {self.rope} values")
 
 
+# The 584-byte fp8 record (vLLM calls the cache fp8_ds_mla, SGLang fp8_e4m3; the plugin FP8_DSV4):
+#   data row, 576 bytes:  [  0, 448) 448 NoPE values as float8_e4m3fn (OCP)
+#                         [448, 576) 64 RoPE values as bfloat16 (already rotated, unscaled)
+#   scale row, 8 bytes:   [0, 7) 7 UE8M0 exponents, one per 64 NoPE values: value = fp8 * 2 ** (byte - 127)
+#                         [7] pad, written 0, never read
+#   a page is P * 584 bytes rounded up to a multiple of 576.
+# The writers store e = ceil(log2(max(amax, 1e-4) / 448)) per 64-value group and fp8(clamp(x / 2**e,
+# +-448)); an all-zero group stores byte 105 (-22 + 127).
 FP8_RECORD = Dsv4Record(FP8_DSV4, TOKEN_BYTES, DATA_ROW_BYTES, SCALE_ROW_BYTES, NOPE_DIM, ROPE_DIM, SCALE_GROUP,
                         PAGE_ALIGN, "vLLM's fused qnorm/rope/quant insert and its compressor (fp8_ds_mla); "
                         "SGLang's DeepSeek-V4 pool (fp8_e4m3)")

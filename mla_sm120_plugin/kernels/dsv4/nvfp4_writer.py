@@ -1,24 +1,21 @@
 """Writers of DeepSeek-V4's 384-byte NVFP4 record (:data:`.layout.NVFP4_RECORD`) for vLLM's layer.
 
-vLLM 0.33 writes DeepSeek-V4's caches in two places, both as the 584-byte fp8 record: the layer's
-fused q-norm / rope / KV insert (the window cache, one row a token) and its compressor (a
-compressed cache entry every ``ratio`` tokens: the softmax-gated sum of the saved states, RMS-normed
-with the compressor's weight). These are the same two steps writing the NVFP4 record instead:
+vLLM writes DeepSeek-V4's caches in two places, the layer's fused q-norm / rope / KV insert (the
+window cache) and its compressor (an entry every ``ratio`` tokens); these are the same two steps
+writing the NVFP4 record:
 
 - :func:`insert_rows`: the window rows. ``kv`` (already RMS-normed by the layer) gets GPT-J rope on
   its last 64 values at the token's position, is rounded to bf16, and is stored as the record.
 - :func:`compress_insert`: the compressed rows. For a token that closes a ``ratio`` block, the
   ``(1 + overlap) * ratio`` saved states up to it are softmax-weighted (per value, over the
   states), summed, RMS-normed, roped at the block's first position, rounded to bf16 and stored.
-- :func:`normed_roped_query`: q as vLLM's fused op returns it (weight-free RMS norm a head, GPT-J
-  rope on the last 64 values, zero heads up to the layer's padded count), in torch.
+- :func:`normed_roped_query`: q as vLLM's fused op returns it, in torch.
 
-The record's bytes are :func:`.pack.quantize_nvfp4`'s (FlashInfer's documented formula: e4m3 scale
-``amax * (1/6)`` a 16-value group, e2m1 values rounded to nearest even, saturating), computed from
-the bits in the kernel (exact on a GPU and under Triton's interpreter, whose fp8 casts round
-differently). One program a token; a slot < 0 or past the cache is skipped, and so is a token
-whose state slot is < 0 or that does not close a block. Two tokens given one slot race, as in
-vLLM's own writers (vLLM never gives one slot twice in a step).
+The bytes are :func:`.pack.quantize_nvfp4`'s, computed from the bits in the kernel (exact on a GPU
+and under the interpreter). One program a token; a slot < 0 or past the cache is skipped, and so
+is a token whose state slot is < 0 or that does not close a block; two tokens given one slot race,
+as in vLLM's own writers (vLLM never gives one slot twice in a step). Design notes: docs/kernels.md,
+section ``kernels/dsv4/nvfp4_writer.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ import triton
 import triton.language as tl
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels.dsa.triton import Launch, _round_bf16
 from mla_sm120_plugin.kernels.dsv4 import layout
+from mla_sm120_plugin.kernels.shared.triton import Launch, round_bf16
 
 REC = layout.NVFP4_RECORD
 _HEAD: tl.constexpr = tl.constexpr(layout.HEAD_DIM)
@@ -88,7 +85,7 @@ def _rope_and_store(x, rope_pos, cs_ptr, cs_stride, cache_ptr, slot, page_size, 
     sin = tl.load(cs + _HALF_ROPE, mask=in_rope, other=0.0).to(tl.float32)
     rotated = tl.interleave(even * cos - odd * sin, odd * cos + even * sin)
     # bf16, nearest even (the interpreter's own cast truncates); the NoPE values untouched (-0 stays -0)
-    row = _round_bf16(tl.where(d >= _NOPE, rotated, x))
+    row = round_bf16(tl.where(d >= _NOPE, rotated, x))
 
     groups = tl.reshape(row, (_HEAD // _GROUP, _GROUP))
     scale, byte = _e4m3_scale(tl.max(tl.abs(groups), axis=1))

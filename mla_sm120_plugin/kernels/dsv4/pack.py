@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels.dsa.nvfp4 import E2M1_VALUES, e2m1_codes
 from mla_sm120_plugin.kernels.dsv4 import layout
+from mla_sm120_plugin.kernels.shared.formats import E2M1_VALUES, e2m1_codes, e4m3_satfinite
 
 REC = layout.FP8_RECORD
 NVFP4 = layout.NVFP4_RECORD
@@ -54,9 +54,9 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = rows.shape[0]
     nope = rows[:, :REC.nope].float().reshape(n, REC.num_scales, REC.scale_group)
     exp = exponents(nope.abs().amax(dim=-1))
-    scaled = torch.clamp(nope * torch.ldexp(torch.ones_like(nope), -exp[..., None]), -layout.E4M3_MAX, layout.E4M3_MAX)
+    scaled = e4m3_satfinite(nope * torch.ldexp(torch.ones_like(nope), -exp[..., None]))
     data = torch.empty(n, REC.data_bytes, dtype=torch.uint8, device=rows.device)
-    data[:, :REC.nope] = scaled.reshape(n, REC.nope).to(torch.float8_e4m3fn).view(torch.uint8)
+    data[:, :REC.nope] = scaled.reshape(n, REC.nope).view(torch.uint8)
     data[:, REC.nope:] = rows[:, REC.nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
     scales = torch.zeros(n, REC.scale_bytes, dtype=torch.uint8, device=rows.device)
     scales[:, :REC.num_scales] = torch.clamp(exp + layout.UE8M0_BIAS, 0, 255).to(torch.uint8)
@@ -73,7 +73,7 @@ def quantize_nvfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = rows.shape[0]
     nope = rows[:, :NVFP4.nope].float().reshape(n, NVFP4.num_scales, NVFP4.scale_group)
     amax = nope.abs().amax(dim=-1)
-    sf = (amax * torch.tensor(_ONE_SIXTH, dtype=torch.float32)).clamp(max=layout.E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = e4m3_satfinite(amax * torch.tensor(_ONE_SIXTH, dtype=torch.float32))
     scale = sf.float()
     inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / torch.where(scale == 0, torch.ones_like(scale), scale))
     codes = e2m1_codes(nope * inv[..., None]).reshape(n, NVFP4.nope)

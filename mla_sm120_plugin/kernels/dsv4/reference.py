@@ -1,6 +1,6 @@
 """The torch reference for DeepSeek-V4 attention: a window cache and a compressed cache in one call.
 
-For query token ``t`` and head ``h``, over the candidates of both caches together (FACTS §14)::
+For query token ``t`` and head ``h``, over the candidates of both caches together (docs/facts.md#deepseek-v4)::
 
     s_j   = sm_scale * <q[t, h], k_j>                      k_j: a dequantized 512-wide row
     out   = sum_j exp(s_j - m) k_j / (sum_j exp(s_j - m) + exp(sink[h] - m))

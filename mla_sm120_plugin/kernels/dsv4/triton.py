@@ -1,27 +1,23 @@
 """A portable Triton kernel for DeepSeek-V4 attention: a window cache and a compressed cache in one call.
 
-The math is :mod:`.reference`'s (one softmax over both caches' candidates, the sink logit in the
-denominator only, V = K = the whole 512-wide row, zeros for a token with no candidate). One program
-takes one query token and ``BLOCK_H`` heads and walks the window's index row, then the compressed
-cache's, ``BLOCK_N`` candidates a step: a candidate's row is gathered from its page-major record
-(:mod:`.layout`: data row at ``page * stride + row * 576``, scale row at
-``page * stride + P * 576 + row * 8``), each e4m3 NoPE value times its group's ``2 ** (byte - 127)``
-(built from the exponent's bits: exact) and the bf16 rope as is, so the key/value tile is exact in
-bf16; scores and the probability-weighted sum are bf16 x bf16 dots accumulated in fp32 (the exact
-class of the DSA kernels: the probabilities are the one rounding), with an online softmax in base 2.
+Contract: :func:`dsv4_attention` computes :mod:`.reference`'s math (one softmax over both caches'
+candidates, the sink logit in the denominator only, V = K = the whole 512-wide row, zeros for a
+token with no candidate) over either record of :mod:`.layout` (the 584-byte fp8 one, the
+384-byte NVFP4 one). Masked, never read: a slot < 0, a slot >= the cache's capacity (pages x page
+size), a position at or past the row's length. Each cache has its own page size and page stride
+(runtime arguments).
 
-Masked, never read: a slot < 0, a slot >= the cache's capacity (pages x page size), a position at
-or past the row's length (clamped to the row's width). Each cache has its own page size and page
-stride (runtime arguments: vLLM's window pages hold 64 entries, its compressed ones 64 or 2; V4.1's
-32 / 128 / 64; SGLang's 256-token pages).
+Structure: one program takes one query token and ``BLOCK_H`` heads and walks the window's index
+row, then the compressed cache's, ``BLOCK_N`` candidates a step (:func:`_attend`), with an online
+softmax in base 2. A candidate's row is dequantized exactly (each NoPE value times its group's
+scale, the bf16 rope as is), so the key/value tile is exact in bf16; scores and the weighted sum
+are bf16 x bf16 dots accumulated in fp32 (:func:`~mla_sm120_plugin.kernels.shared.triton.dot`).
 
-Under ``TRITON_INTERPRET=1`` the dots' operands are rounded to bf16 and multiplied in fp32 (the
-interpreter's bf16 dot multiplies raw bits), as :func:`mla_sm120_plugin.kernels.dsa.triton._dot`.
+Design notes: docs/kernels.md, section ``kernels/dsv4/triton.py``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +25,17 @@ import triton
 import triton.language as tl
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
-from mla_sm120_plugin.kernels.dsa.triton import Launch, _dot, _store_rounded
 from mla_sm120_plugin.kernels.dsv4 import layout
+from mla_sm120_plugin.kernels.shared.host import LOG2E, cdiv, interpreting
+from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, dot, e2m1, e8m0_value, store_rounded
 
 REC = layout.FP8_RECORD
-_LOG2E = 1.4426950408889634
 
 _HEAD: tl.constexpr = tl.constexpr(layout.HEAD_DIM)
 _NOPE: tl.constexpr = tl.constexpr(layout.NOPE_DIM)
 _GROUP: tl.constexpr = tl.constexpr(layout.SCALE_GROUP)
 _DATA: tl.constexpr = tl.constexpr(layout.DATA_ROW_BYTES)
 _SCALES: tl.constexpr = tl.constexpr(layout.SCALE_ROW_BYTES)
-_LOG2E_K: tl.constexpr = tl.constexpr(_LOG2E)
 _FP4_DATA: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.data_bytes)
 _FP4_SCALES: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.scale_bytes)
 _FP4_NOPE_BYTES: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.nope_bytes)
@@ -67,22 +62,6 @@ NVFP4_DEFAULT = Dsv4Config(num_warps=8)
 def default_config(record: layout.Dsv4Record) -> Dsv4Config:
     """The launch shape for caches of ``record``."""
     return NVFP4_DEFAULT if record.nope_bits == 4 else DEFAULT
-
-
-@triton.jit
-def _scale_of(byte):
-    """``2 ** (byte - 127)`` as fp32, from the bits (exact; byte 0, which no writer stores, reads 0)."""
-    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1(code):
-    """The value of e2m1 nibbles (int32 0..15: sign bit 3, exponent bits 2-1 with bias 1, mantissa
-    bit 0) as fp32, built from the bits: exponent e > 0 is 2**(e - 1) * (1 + m / 2), e = 0 is m / 2."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -115,22 +94,22 @@ def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity,
             code = ((packed >> ((cols[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.int32)
             scale = tl.load(cache_f8 + scales[:, None] + cols[None, :] // _FP4_GROUP, mask=in_nope,
                             other=0.0).to(tl.float32)
-            value = _e2m1(code) * scale  # <= 6 significant bits: exact in bf16
+            value = e2m1(code) * scale  # <= 6 significant bits: exact in bf16
         else:
             byte = tl.load(cache_ptr + scales[:, None] + cols[None, :] // _GROUP, mask=in_nope, other=0)
             value = tl.load(cache_f8 + data[:, None] + cols[None, :], mask=in_nope, other=0.0).to(tl.float32)
-            value = value * _scale_of(byte)
+            value = value * e8m0_value(byte)  # 2 ** (byte - 127), exact
         rope = tl.load(cache_b16 + (data[:, None] + rope_at) // 2 + (cols[None, :] - _NOPE),
                        mask=valid[:, None] & (cols[None, :] >= _NOPE), other=0.0).to(tl.float32)
         k = tl.where(nope[None, :], value, rope)  # [BLOCK_N, 512], exact in bf16
-        s = _dot(q, tl.trans(k), DOT_BF16) * qk_scale_log2
+        s = dot(q, tl.trans(k), DOT_BF16) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, k, DOT_BF16)
+        acc = acc * alpha[:, None] + dot(p, k, DOT_BF16)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -169,20 +148,16 @@ def _dsv4_kernel(
                                 NVFP4)
     if HAS_SINK:
         # the sink is a natural-log logit; the scores are base 2
-        sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * _LOG2E_K
+        sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * LOG2E_K
         l_i += tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     found = (m_i > float("-inf"))[:, None]
     out = tl.where(found, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-    _store_rounded(out_ptr + tok * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + cols[None, :], out,
+    store_rounded(out_ptr + tok * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + cols[None, :], out,
                    h_mask[:, None])
 
 
 def _bad(given: str, supported: str, fix: str) -> KernelInputError:
     return KernelInputError(format_error(given, supported, fix))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None,
@@ -219,7 +194,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
     dummy = swa_indices
     return [Launch(
         kernel=_dsv4_kernel,
-        grid=(tokens, triton.cdiv(heads, cfg.block_h)),
+        grid=(tokens, cdiv(heads, cfg.block_h)),
         args=(q, out, sinks if sinks is not None else q,
               swa_cache, swa_indices, swa_lengths if swa_lengths is not None else dummy,
               extra_cache if extra else swa_cache, extra_indices if extra else dummy,
@@ -230,7 +205,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
               extra_indices.stride(0) if extra else 0, extra_indices.shape[1] if extra else 0,
               extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
               extra_cache.shape[0] * extra_page_size if extra else 0,
-              sm_scale * _LOG2E),
+              sm_scale * LOG2E),
         constexprs=dict(NVFP4=record.nope_bits == 4, HAS_EXTRA=extra, HAS_SINK=sinks is not None,
                         HAS_SWA_LEN=swa_lengths is not None,
                         HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,
@@ -299,7 +274,7 @@ def dsv4_attention(
                    "pass a contiguous [T, H, 512] tensor, or None")
     if q.shape[0] == 0:
         return out
-    interpret = _interpreting() or q.device.type == "cpu"
+    interpret = interpreting() or q.device.type == "cpu"
     for launch in launch_plan(q, out, swa_cache, swa_indices, swa_page_size, sm_scale=sm_scale,
                               swa_lengths=swa_lengths, extra_cache=extra_cache, extra_indices=extra_indices,
                               extra_lengths=extra_lengths, extra_page_size=extra_page_size, sinks=sinks,
