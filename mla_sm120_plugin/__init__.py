@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "select": "mla_sm120_plugin.selection",
-    "explain": "mla_sm120_plugin.selection",
+    "explain": "mla_sm120_plugin.report",
     "load_config": "mla_sm120_plugin.config",
     "get_registry": "mla_sm120_plugin.hooks.manager",
     "sparse_mla_forward": "mla_sm120_plugin.dispatch.forward",

@@ -86,12 +86,11 @@ def _check_device(sm: str | None) -> Any:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .context import EngineLimits, build_context, plugin_config
-    from .engines import ENGINES
+    from .context import EngineLimits, plugin_config
     from .hooks.manager import get_registry
-    from .kernels.dsa.layout import FP8_DS_MLA
     from .modelinfo import resolve_model
-    from .selection import decision_to_dict, explain, select
+    from .plan import check_kv_cache_dtype, plan
+    from .report import explain, to_dict
 
     reg = get_registry()
     facts = resolve_model(args.model, registry=reg)
@@ -106,17 +105,10 @@ def _check(args: argparse.Namespace) -> int:
         cuda_graphs=not args.enforce_eager,
         engine=args.engine,
     )
-    if facts.dsv4 is not None:
-        from .dsv4_plan import explain_plan, plan, plan_to_dict
-
-        dsv4 = plan(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), args.kv_cache_dtype, limits,
-                    speculative_tokens=args.num_speculative_tokens, dspark=args.dspark, registry=reg)
-        _emit(_json(plan_to_dict(dsv4)) if args.json else explain_plan(dsv4))
-        return EXIT_OK
-    kv_cache_dtype = args.kv_cache_dtype or ENGINES[args.engine].spelling(FP8_DS_MLA)
-    ctx = build_context(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm), kv_cache_dtype, limits)
-    decision = select(ctx, registry=reg)
-    _emit(_json(decision_to_dict(decision)) if args.json else explain(decision))
+    planned = plan(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm),
+                   check_kv_cache_dtype(facts, args.engine, args.kv_cache_dtype), limits,
+                   speculative_tokens=args.num_speculative_tokens, dspark=args.dspark, registry=reg)
+    _emit(_json(to_dict(planned)) if args.json else explain(planned))
     return EXIT_OK
 
 
@@ -208,109 +200,22 @@ def doctor_report() -> dict[str, Any]:
     return report
 
 
-# The self-check's shapes for `doctor --self-check`: GLM-5 at TP4 on a GPU; on the CPU (Triton's
-# interpreter) a smaller top-k keeps it to seconds.
-SELF_CHECK_HEADS = 16
-SELF_CHECK_TOPK = {"gpu": 2048, "cpu": 128}
-
-
 def self_check_rows() -> list[dict[str, Any]]:
-    """Self-check every kernel that can run on this machine, per phase, layout and scale format.
+    """Self-check every kernel that can run on this machine, on each case its family sweeps
+    (:func:`mla_sm120_plugin.dispatch.selfcheck.sweep`).
 
-    On a machine without a GPU the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET``
+    On a machine without a GPU the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET``
     is set here, before triton is imported, unless the caller set it).
     """
-    import os
-
     from . import device as device_mod
 
-    dev = device_mod.detect(use_torch=True)
-    if not dev.is_gpu:
+    if not device_mod.detect(use_torch=True).is_gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from .hooks.manager import get_registry
     from .dispatch import selfcheck
-    from .dispatch.binding import bind
-    from .kernels.dsa.layout import FP8_DS_MLA, SCALE_FORMATS
-    from .selection import probe_reasons
-    from .types import DSV4_FAMILY
 
-    on_gpu = torch.cuda.is_available()
-    target = "cuda" if on_gpu else "cpu"
-    topk = SELF_CHECK_TOPK["gpu" if on_gpu else "cpu"]
-    rows = []
-    for name, spec in get_registry().kernels.items():
-        if probe_reasons(spec, dev):
-            continue  # `doctor` already says why it cannot run here
-        if spec.family == DSV4_FAMILY:
-            rows.extend(_dsv4_self_check_rows(name, spec, target))
-            continue
-        for kv_layout in sorted(spec.kv_cache_dtypes):
-            for scale_format in SCALE_FORMATS if kv_layout == FP8_DS_MLA else (SCALE_FORMATS[1],):
-                for phase in sorted(spec.phases):
-                    row = dict(kernel=name, phase=phase, kv_layout=kv_layout,
-                               scale_format=scale_format if kv_layout == FP8_DS_MLA else None,
-                               heads=SELF_CHECK_HEADS, topk=topk, device=target)
-                    try:
-                        result = selfcheck.check(bind(name), phase=phase, kv_layout=kv_layout,
-                                                 scale_format=scale_format, num_heads=SELF_CHECK_HEADS,
-                                                 topk=topk, device=target)
-                    except MlaSm120Error as exc:  # the entry does not import
-                        row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None,
-                                   tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=0.0,
-                                   error=f"{type(exc).__name__}: {exc}")
-                    else:
-                        got = result.accuracy
-                        row.update(ran=result.ran, passed=result.passed,
-                                   cos_diff=None if got is None else got.cos_diff,
-                                   rel_rms=None if got is None else got.rel_rms, max_error=result.max_error,
-                                   tolerance=result.tolerance, bound=_bound_row(result.bound),
-                                   seconds=result.seconds, error=result.error)
-                    rows.append(row)
-    return rows
-
-
-# The DeepSeek-V4 self-check's pages: vLLM's window pages and C128A's 2-entry compressed pages.
-DSV4_CHECK_PAGES = (64, 2)
-
-
-def _dsv4_self_check_rows(name: str, spec: Any, target: str) -> list[dict[str, Any]]:
-    """A DeepSeek-V4 kernel's self-check on each record it reads (the engines' call: one case for both
-    phases, a window cache and a compressed cache with -1 / out-of-range ids, empty rows and sinks)."""
-    from .dispatch import dsv4 as dsv4_dispatch
-    from .dispatch.binding import bind
-
-    rows = []
-    window_page, extra_page = DSV4_CHECK_PAGES
-    for record in sorted(spec.kv_cache_dtypes):
-        row = dict(kernel=name, phase="both", kv_layout=record, scale_format=None, heads=SELF_CHECK_HEADS,
-                   topk=None, device=target)
-        try:
-            fn = bind(name).fn
-        except MlaSm120Error as exc:  # the entry does not import
-            row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None, tolerance=spec.tolerance,
-                       bound=_bound_row(spec.accuracy), seconds=0.0, error=f"{type(exc).__name__}: {exc}")
-            rows.append(row)
-            continue
-        import torch
-
-        result = dsv4_dispatch.check(name, fn, num_heads=SELF_CHECK_HEADS, window_page=window_page,
-                                     extra_page=extra_page, device=torch.device(target), record=record)
-        got = result.measured
-        row.update(ran=got is not None, passed=result.passed, cos_diff=None if got is None else got.cos_diff,
-                   rel_rms=None if got is None else got.rel_rms, max_error=None if got is None else got.max_rel,
-                   tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=result.seconds,
-                   error=result.error)
-        rows.append(row)
-    return rows
-
-
-def _bound_row(bound: Any) -> dict[str, float] | None:
-    """A kernel's declared accuracy bound as JSON (None when it declares only a tolerance)."""
-    if bound is None:
-        return None
-    return dict(cos_diff=bound.cos_diff, rel_rms=bound.rel_rms, max_error=bound.max_rel)
+    return selfcheck.sweep("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -348,7 +253,7 @@ def _doctor(args: argparse.Namespace) -> int:
     for fault in report["faults"]:
         out("FAULT: " + fault.replace("\n", "\n       "))
     if checks is not None:
-        out(f"self-check ({SELF_CHECK_HEADS} heads, top-k {checks[0]['topk'] if checks else '-'}, "
+        out(f"self-check ({checks[0]['heads'] if checks else '-'} heads, top-k {checks[0]['topk'] if checks else '-'}, "
               f"on {checks[0]['device'] if checks else '-'}; against float64 over the dequantized rows; "
               "max error as a fraction of the output's largest value):")
         out(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'cos_diff':>9} {'relRMS':>8} {'max error':>10} "

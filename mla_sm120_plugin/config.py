@@ -28,12 +28,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import files
+from . import envs, files
 from .errors import ConfigError, format_error
 from .kernels.dsa.layout import SCALE_FORMATS
 from .types import AUTO, ENGINE_NATIVE_IMPLS, FAST, PRECISIONS
 
-CONFIG_ENV = "MLA_SM120_CONFIG"
+CONFIG_ENV = envs.CONFIG
 ADDITIONAL_CONFIG_KEY = "mla_sm120"  # the key under vLLM's --additional-config
 
 KERNEL_KEYS = ("prefill_kernel", "decode_kernel")

@@ -13,10 +13,11 @@ import re
 import shutil
 import subprocess
 
+from . import envs
 from .errors import ConfigError, format_error
 from .types import DeviceInfo
 
-DEVICE_ENV = "MLA_SM120_DEVICE"
+DEVICE_ENV = envs.DEVICE
 
 # "sm_121"/"sm121a": the last digit is the minor (sm_90 -> 9.0); "12.1"/"12": major[.minor].
 _SM_NAME_RE = re.compile(r"^sm_?(\d{1,2})(\d)a?$")

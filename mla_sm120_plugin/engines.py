@@ -1,12 +1,11 @@
-"""What each engine calls things: its KV-cache spellings, its flags, its own backends.
+"""What each engine calls things and how it shapes the attention calls, one :class:`Engine` each.
 
 A refusal must speak the language of the engine the user runs: vLLM users opt in with
 ``--attention-backend CUSTOM`` and ask for the 656-byte DSA cache with ``fp8_ds_mla``; SGLang
-users opt in with ``--mla-sm120`` and call the same bytes ``fp8_e4m3``. Every message, and the
-context builder's reading of ``--kv-cache-dtype``, takes these words from one :class:`Engine`
-per engine, so ``mla-sm120 check --engine X`` and engine X say the same thing.
-
-Pure Python: nothing heavy is imported.
+users opt in with ``--mla-sm120`` and call the same bytes ``fp8_e4m3``. Every message, the context
+builder's reading of ``--kv-cache-dtype`` and the DeepSeek-V4 call shapes (:class:`Dsv4Calls`: page
+sizes, head padding, the record's spellings) take these facts from the one :data:`ENGINES` table,
+so ``mla-sm120 check --engine X`` and engine X say the same thing. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,7 +14,53 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from .kernels.dsa.layout import (BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, ROPE_DIM,
-                            SCALE_ARBITRARY)
+                                 SCALE_ARBITRARY)
+from .kernels.dsv4.layout import NVFP4_DSV4
+from .types import DECODE, PREFILL
+
+
+@dataclass(frozen=True)
+class Dsv4Calls:
+    """How one engine shapes DeepSeek-V4 attention calls on SM12x, and what it calls the record.
+
+    :param kv_spellings: ``--kv-cache-dtype`` values that give the 584-byte fp8 record (the last one
+        is the spelling a fix names).
+    :param nvfp4_spellings: values that give the 384-byte NVFP4 record with the plugin's opt-in.
+    :param kv_refused: values the engine itself refuses for DeepSeek-V4, and how it fails.
+    :param window_page: model version -> entries a window-cache page holds as FlashInfer's kernels
+        see it.
+    :param call_window_page: model version -> entries a window-cache page holds as the engine's
+        attention call passes it (SGLang passes its 256-token pages and copies them into 64-entry
+        ones for FlashInfer only).
+    :param compressed_page_tokens: model version -> tokens a compressed-cache page covers (the call
+        site and FlashInfer see the same pages).
+    :param decode_heads: q head counts a decode call is padded up to (the smallest that fits).
+    :param prefill_heads: the same for prefill; empty: the rank's own count.
+    :param decode_pad_default: decode q is padded to this unless the rank's count is listed (SGLang).
+    :param own_path: SM family -> the engine's own DeepSeek-V4 attention there.
+    :param opt_in: what switching the plugin on does for DeepSeek-V4 in this engine today.
+    """
+
+    kv_spellings: tuple[str, ...]
+    kv_refused: Mapping[str, str]
+    window_page: Mapping[str, int]
+    call_window_page: Mapping[str, int]
+    compressed_page_tokens: Mapping[str, int]
+    decode_heads: tuple[int, ...]
+    prefill_heads: tuple[int, ...]
+    own_path: Mapping[int, str]
+    opt_in: str
+    decode_pad_default: int | None = None
+    nvfp4_spellings: tuple[str, ...] = ()
+
+    def padded(self, heads: int, phase: str) -> int:
+        """The q heads a ``phase`` call carries for ``heads`` heads a rank."""
+        sizes = self.prefill_heads if phase == PREFILL else self.decode_heads
+        if not sizes or heads in sizes:
+            return heads
+        if self.decode_pad_default is not None and phase == DECODE and heads < self.decode_pad_default:
+            return self.decode_pad_default
+        return next((size for size in sizes if size >= heads), heads)
 
 
 @dataclass(frozen=True)
@@ -37,15 +82,17 @@ class Engine:
     :param decode_bound: the settings that bound the tokens of one decode call.
     :param eager_flag: how CUDA graphs are switched off.
     :param native_backends: SM family -> the engine's own sparse-MLA backends there.
-    :param feature_flags: engine feature (see :data:`mla_sm120_plugin.hooks.policy.FEATURE_REASONS`)
+    :param feature_flags: engine feature (see :data:`mla_sm120_plugin.rules.FEATURE_REASONS`)
         -> how to switch it off.
     :param nope_layouts: the layout a ``--kv-cache-dtype`` gives a rope-less model instead (vLLM
         keeps fp8 rows 656 bytes wide, SGLang packs 528).
     :param no_writer: layouts the kernels read that this engine never writes -> why (a refusal's text).
-    :param native_layout_notes: layout -> where the engine's own backends read it (a device refusal's fix).
+    :param native_layout_notes: layout (a DSA layout or a DeepSeek-V4 record) -> where the engine's own
+        backends read it (a device refusal's fix).
     :param pooled_ids_align: for a pooled indexer (``index_kpool`` > 1) the engine hands the kernels
         ``index_topk + kpool - 1`` token ids a row (each pick's tokens plus the partial tail),
         rounded up to a multiple of this.
+    :param dsv4: how the engine shapes DeepSeek-V4's calls and names its record.
     """
 
     name: str
@@ -57,6 +104,7 @@ class Engine:
     kernel_flags: str
     decode_bound: str
     eager_flag: str
+    dsv4: Dsv4Calls
     native_backends: Mapping[int, str] = field(default_factory=dict)
     feature_flags: Mapping[str, str] = field(default_factory=dict)
     auto_fp8_from_sm: int | None = None
@@ -95,6 +143,10 @@ class Engine:
         """The engine's own sparse-MLA backends on ``sm_family``."""
         return self.native_backends.get(sm_family, f"{self.label}'s own attention backends")
 
+    def own_dsv4_path(self, sm_family: int | None) -> str:
+        """The engine's own DeepSeek-V4 attention on ``sm_family``."""
+        return self.dsv4.own_path.get(sm_family, f"{self.label}'s own DeepSeek-V4 attention")
+
 
 _SHARED_SPELLINGS: Mapping[str, str] = {BF16: BF16, "bfloat16": BF16}
 
@@ -110,6 +162,27 @@ VLLM = Engine(
     kernel_flags="--additional-config '{\"mla_sm120\": {\"prefill_kernel\": ..., \"decode_kernel\": ...}}'",
     decode_bound="--max-num-seqs x (1 + --num-speculative-tokens)",
     eager_flag="--enforce-eager",
+    dsv4=Dsv4Calls(
+        # _resolve_dsv4_kv_cache_dtype: auto and every fp8* spelling become fp8_ds_mla (the 584-byte record).
+        kv_spellings=("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"),
+        kv_refused={"bfloat16": "vLLM's DeepSeek-V4 layer raises at model build: the packed layout only supports fp8",
+                    "bf16": "vLLM's DeepSeek-V4 layer raises at model build: the packed layout only supports fp8"},
+        # vLLM's own name for an NVFP4 MLA cache: its parser and config take it for MLA models; its
+        # DeepSeek-V4 layer refuses it (_resolve_dsv4_kv_cache_dtype) unless the plugin's layer class
+        # answers first, which it does with --attention-backend CUSTOM.
+        nvfp4_spellings=(NVFP4_DS_MLA,),
+        window_page={"v4": 64, "v4.1": 32},  # DeepseekV4SWACache's block; V4.1's 32
+        call_window_page={"v4": 64, "v4.1": 32},
+        compressed_page_tokens={"v4": 256, "v4.1": 128},  # the backends' kernel block sizes
+        decode_heads=(8, 16, 32, 64, 128),  # _pad_to_supported_q_heads, both phases
+        prefill_heads=(8, 16, 32, 64, 128),
+        own_path={9: "FLASHMLA_SPARSE_DSV4 (FlashMLA)", 10: "FLASHMLA_SPARSE_DSV4 or FLASHINFER_MLA_SPARSE_DSV4",
+                  12: "DeepseekV4FlashInferSM120Attention (FlashInfer's SM120 DeepSeek-V4 kernels, JIT-built)"},
+        opt_in=("vLLM: --attention-backend CUSTOM makes every DeepSeek-V4 layer the plugin's subclass of vLLM's SM120 "
+                "class, planned as above while the model is built (before weights): each (layer kind, phase) runs the "
+                "kernel named here, after its self-check; without it vLLM builds its own class (FlashInfer's kernels "
+                "only)"),
+    ),
     native_backends={
         9: "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90",
         10: "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE",
@@ -124,7 +197,9 @@ VLLM = Engine(
     no_writer={NVFP4_DS_MLA + "@rope0": "vLLM writes nvfp4_ds_mla only for the DSA geometry (512 latent + 64 rope: "
                "the DSA models' fused_norm_rope writer); a rope-less model (GLM-5.3-Flash) has no nvfp4 writer"},
     native_layout_notes={NVFP4_DS_MLA: "vLLM's own FLASHMLA_SPARSE reads nvfp4_ds_mla on SM100 only; elsewhere pass "
-                         f"--kv-cache-dtype {FP8_DS_MLA}"},
+                         f"--kv-cache-dtype {FP8_DS_MLA}",
+                         NVFP4_DSV4: f"with --kv-cache-dtype {FP8_DS_MLA}: no engine has an NVFP4 DeepSeek-V4 cache "
+                         "there (FlashInfer's 384-byte record is SM120/SM121 only)"},
     pooled_ids_align=128,  # the kpool indexer's buffer: round_up(2048 + 3, 128) = 2176 for GLM-5.3-Flash
 )
 
@@ -139,6 +214,26 @@ SGLANG = Engine(
     kernel_flags="--dsa-prefill-backend / --dsa-decode-backend (or --mla-sm120-config)",
     decode_bound="--max-running-requests x --speculative-num-draft-tokens",
     eager_flag="--disable-cuda-graph",
+    dsv4=Dsv4Calls(
+        kv_spellings=("auto", "fp8_e4m3"),
+        kv_refused={"bfloat16": "SGLang 0.5.23's paged DeepSeek-V4 pool stores uint8 records only (an assert at pool "
+                                "creation)",
+                    "bf16": "SGLang 0.5.23 refuses it for DeepseekV4ForCausalLM (only fp8_e4m3 or bfloat16)",
+                    "nvfp4": "SGLang 0.5.23 refuses it for DeepseekV4ForCausalLM (its NVFP4 recipe, sglang#38646, is "
+                             "an open pull request)"},
+        window_page={"v4": 64, "v4.1": 64},  # 256-token pages, copied into 64-entry pages for FlashInfer
+        call_window_page={"v4": 256, "v4.1": 256},  # what flash_mla_with_kvcache_sm120 is handed
+        compressed_page_tokens={"v4": 256, "v4.1": 256},  # page_size 256, forced by the model override
+        decode_heads=(8, 16, 32, 64, 128),  # the counts FlashInfer 0.7.2 lists; else padded to 64
+        prefill_heads=(),  # prefill drops the pad: the rank's own heads
+        decode_pad_default=64,
+        own_path={9: "--attention-backend dsv4 (FlashMLA)", 10: "--attention-backend dsv4 (FlashMLA / TRT-LLM)",
+                  12: "flash_mla_with_kvcache_sm120 (FlashInfer's SM120 kernels, SGLANG_SM120_FLASHMLA_BACKEND)"},
+        opt_in=("SGLang 0.5.23 forces --attention-backend dsv4 and page 256 for DeepSeek-V4 and calls "
+                "flash_mla_with_kvcache_sm120 on SM12x; --mla-sm120 plans and refuses at launch, and each scheduler "
+                "binds and self-checks the kernels named here and runs them in that call for their (layer kind, "
+                "phase): SGLang's own FlashInfer call, or the plugin's Triton kernel on the same arguments"),
+    ),
     native_backends={
         9: "--dsa-*-backend flashmla_sparse / flashmla_kv",
         10: "--dsa-*-backend flashmla_sparse / flashmla_kv / trtllm",
@@ -152,6 +247,8 @@ SGLANG = Engine(
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model
     nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
+    native_layout_notes={NVFP4_DSV4: "with --kv-cache-dtype fp8_e4m3: no engine has an NVFP4 DeepSeek-V4 cache there "
+                         "(FlashInfer's 384-byte record is SM120/SM121 only)"},
     no_writer={NVFP4_DS_MLA: "SGLang 0.5.23 has no nvfp4_ds_mla cache writer (its DSA pool writes fp8_e4m3 "
                "or bf16 rows; only vLLM's DSA writer fills the 352-byte nvfp4 rows)"},
     pooled_ids_align=1,  # 2048 + 3 = 2051 ids for GLM-5.3-Flash

@@ -36,7 +36,7 @@ MAX_KPOOL = 64
 GEOMETRY_KEYS = {"kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0, "v_head_dim": 1}
 
 
-# DeepSeek-V4 (FACTS §14). Layer types of transformers' DeepseekV4Config and the legacy per-layer
+# DeepSeek-V4 (docs/facts.md#deepseek-v4). Layer types of transformers' DeepseekV4Config and the legacy per-layer
 # compress_ratios they map from; V4.1 keeps a flat per-layer compress_ratios of 0 / 1 / 2.
 DSV4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 DSV4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}

@@ -1,16 +1,16 @@
-"""Built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash and the
+"""The built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash and the
 DeepSeek-V4 family (V4-Flash, V4-Pro, V4.1-Flash and their drafts).
 
-Registered through the same hook as a third party's profiles.
+Registered through the same hook (``mla_sm120_model_profiles``) as a third party's profiles.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from ..kernels.dsa.layout import SCALE_ARBITRARY, SCALE_POW2
-from ..types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
-from .specs import hookimpl
+from .kernels.dsa.layout import SCALE_ARBITRARY, SCALE_POW2
+from .types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
+from .hooks.specs import hookimpl
 
 GLM_DSA = ModelProfile(
     name="glm-5",
@@ -51,7 +51,7 @@ GLM53_FLASH = ModelProfile(
 )
 
 
-# DeepSeek-V4 (FACTS §14). V4-Flash and V4-Pro share an architecture, so the profile carries each
+# DeepSeek-V4 (docs/facts.md, DeepSeek-V4). V4-Flash and V4-Pro share an architecture, so the profile carries each
 # model's config.json keys (what differs from transformers' DeepseekV4Config defaults, which are
 # V4-Flash's) and the CLI reads a name through the same reader as a config.json on disk.
 _V4_FLASH = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 43,

@@ -5,20 +5,18 @@ theirs as profiles; :func:`select` intersects them with one
 :class:`~mla_sm120_plugin.types.SelectionContext` and either returns a
 :class:`~mla_sm120_plugin.types.Decision` or raises one
 :class:`~mla_sm120_plugin.errors.UnsupportedConfiguration` that names the combination, every
-reason, what can run instead, and the fix. :func:`explain` renders the same data as a table.
+reason, what can run instead, and the fix. :mod:`mla_sm120_plugin.plan` decides a model's layer
+kinds with it; :mod:`mla_sm120_plugin.report` renders the outcome.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 from .engines import ENGINES
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
 from .kernels.accuracy import EXACT_BAR
 from .kernels.dsa.layout import LAYOUTS, SCALE_FORMATS
-from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 from .types import (
     AUTO,
     DECODE,
@@ -175,9 +173,9 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
             format_error(
                 f"{ctx.describe()}: {ctx.model_arch} is a {profile.family} model (profile {profile.name}), decided "
                 f"{'per layer kind' if ctx.dsv4 is None else 'as one latent cache'}",
-                "DeepSeek-V4 models through mla_sm120_plugin.dsv4_plan (one context per layer kind), DSA models "
-                "through select() with no layer kind",
-                "plan DeepSeek-V4 models with mla-sm120 check (or dsv4_plan.plan); a third-party plugin that builds "
+                "DeepSeek-V4 models with one context per layer kind (mla_sm120_plugin.plan), DSA models "
+                "with no layer kind",
+                "plan models with mla-sm120 check (or mla_sm120_plugin.plan.plan); a third-party plugin that builds "
                 "contexts itself must set SelectionContext.dsv4 exactly for them",
             )
         )
@@ -340,109 +338,3 @@ def choose_kernel_for_shape(
             )
         )
     return viable[0].name
-
-
-def decision_to_dict(decision: Decision) -> dict[str, Any]:
-    """A JSON-ready view of a decision (``mla-sm120 check --json``)."""
-    ctx = decision.context
-    return {
-        "servable": True,
-        "model_arch": ctx.model_arch,
-        "model_name": ctx.model_name,
-        "profile": decision.profile.name,
-        "device": {"sm": ctx.device.sm, "vendor": ctx.device.vendor, "name": ctx.device.name, "source": ctx.device.source},
-        "kv_cache_dtype": ctx.kv_cache_dtype,
-        "scale_format": decision.scale_format,
-        "precision": ctx.precision,
-        "tensor_parallel_size": ctx.tensor_parallel_size,
-        "heads_per_rank": ctx.num_heads,
-        "index_topk": ctx.index_topk,
-        "kernels": dict(decision.kernels),
-        "capacity": capacity(ctx),
-        "rejected": [
-            {"kernel": r.kernel, "phase": r.phase, "reasons": list(r.reasons)} for r in decision.rejections
-        ],
-        "notes": list(decision.notes),
-    }
-
-
-GIB = 1 << 30
-
-
-def capacity(ctx: SelectionContext) -> dict[str, Any]:
-    """Cache tokens one GiB holds (per layer) in the context's layout, beside the engine's fp8 and bf16
-    layouts for the same model geometry: ``{"layouts": {name: {"token_bytes", "tokens_per_gib"}},
-    "ratio_vs": {name: this layout's tokens / that one's}}``."""
-    from .kernels.dsa.layout import BF16, FP8_DS_MLA
-
-    if ctx.dsv4 is not None:  # one DeepSeek-V4 record; no other layout of the engines holds these layers
-        record = DSV4_RECORDS.get(ctx.kv_cache_dtype)
-        rows = {} if record is None else {record.name: {"token_bytes": record.token_bytes,
-                                                        "tokens_per_gib": GIB // record.token_bytes}}
-        return {"layouts": rows, "ratio_vs": {}}
-    engine = ENGINES[ctx.engine]
-    names = [ctx.kv_cache_dtype] + [engine.kv_layout(base, ctx.device.sm_family, ctx.qk_rope_head_dim)
-                                    for base in (FP8_DS_MLA, BF16)]
-    rows = {name: {"token_bytes": LAYOUTS[name].token_bytes, "tokens_per_gib": GIB // LAYOUTS[name].token_bytes}
-            for name in dict.fromkeys(names) if name in LAYOUTS}
-    mine = rows.get(ctx.kv_cache_dtype)
-    ratios = {name: round(mine["tokens_per_gib"] / row["tokens_per_gib"], 2)
-              for name, row in rows.items() if mine and name != ctx.kv_cache_dtype}
-    return {"layouts": rows, "ratio_vs": ratios}
-
-
-def _capacity_line(ctx: SelectionContext) -> str:
-    cap = capacity(ctx)
-    parts = [f"{name} {row['tokens_per_gib']:,} ({row['token_bytes']} B)" for name, row in cap["layouts"].items()]
-    ratios = ", ".join(f"{ratio:.2f}x {name}" for name, ratio in cap["ratio_vs"].items())
-    return f"capacity   tokens per GiB of cache per layer: {'; '.join(parts)}" + (f" -> {ratios}" if ratios else "")
-
-
-def _bound(tokens: int | None) -> str:
-    return "of any length" if tokens is None else f"<= {tokens} tokens"
-
-
-def _scales_word(ctx: SelectionContext, decision: Decision) -> str:
-    lay = LAYOUTS.get(ctx.kv_cache_dtype)
-    if lay is not None and lay.nvfp4:
-        return f"e4m3 per {lay.latent_format.block} values, fixed by the layout"
-    record = DSV4_RECORDS.get(ctx.kv_cache_dtype) if ctx.dsv4 is not None else None
-    if record is not None:
-        kind = "e4m3" if record.nope_bits == 4 else "UE8M0 (pow2)"
-        return f"{kind} per {record.scale_group} values, fixed by the record"
-    return decision.scale_format
-
-
-def _bound_text(spec: KernelSpec) -> str:
-    return "" if spec.accuracy is None else f": {spec.accuracy.summary()} against float64"
-
-
-def explain(decision: Decision) -> str:
-    """The decision as a plain-text table: chosen kernel per phase, then each rejection."""
-    ctx = decision.context
-    lines = [
-        f"model      {ctx.model_name or decision.profile.name} ({ctx.model_arch}, profile {decision.profile.name})",
-        f"device     {ctx.device.describe()} [{ctx.device.source}]",
-        f"kv cache   {ctx.kv_cache_dtype} (scales: {_scales_word(ctx, decision)})",
-        _capacity_line(ctx),
-        f"precision  {ctx.precision} ("
-        + ("single-fp8 q/p kernels allowed" if ctx.precision != EXACT
-           else f"exact-class kernels only: {EXACT_BAR}") + ")",
-        f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
-        f"index_topk {ctx.index_topk}",
-        f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "
-        f"CUDA graphs {'on' if ctx.cuda_graphs else 'off'}",
-        "",
-        f"{'phase':<8} {'kernel':<24} status",
-    ]
-    by_phase: dict[str, list[Rejection]] = {p: [] for p in PHASES}
-    for r in decision.rejections:
-        by_phase[r.phase].append(r)
-    for phase in PHASES:
-        spec = get_registry().kernels.get(decision.kernels[phase])
-        grade = "" if spec is None else f" ({spec.precision} class{_bound_text(spec)})"
-        lines.append(f"{phase:<8} {decision.kernels[phase]:<24} SELECTED{grade}")
-        for r in by_phase[phase]:
-            lines.append(f"{'':<8} {r.kernel:<24} rejected: {'; '.join(r.reasons)}")
-    lines.extend(f"note: {n}" for n in decision.notes)
-    return "\n".join(lines)

@@ -168,7 +168,7 @@ class ModelProfile:
     :param aliases: other names the CLI accepts (HF repo ids).
     :param family: ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)
         or ``"dsv4"`` (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks;
-        planned per layer kind by :mod:`mla_sm120_plugin.dsv4_plan`).
+        planned per layer kind by :mod:`mla_sm120_plugin.families.dsv4`).
     :param model_configs: named model configs (``"deepseek-v4-pro"`` -> the config.json keys that
         differ from the architecture's defaults) that the CLI accepts as ``--model``: several models
         can share one architecture (V4-Flash and V4-Pro), and each is read by the same config reader
@@ -364,6 +364,8 @@ class Dsv4Call:
     :param extra_page: entries a compressed-cache page holds (0 without one).
     :param decode_heads: q heads a decode call carries (the engine pads the rank's heads).
     :param prefill_heads: q heads a prefill call carries.
+    :param call_window_page: entries a window-cache page holds as the engine's call passes it (0: the
+        same as ``window_page``, which is what FlashInfer's kernels see).
     """
 
     kind: str
@@ -376,12 +378,18 @@ class Dsv4Call:
     extra_page: int
     decode_heads: int
     prefill_heads: int
+    call_window_page: int = 0
 
     def heads_for(self, phase: str) -> int:
         return self.prefill_heads if phase == PREFILL else self.decode_heads
 
     def window_for(self, phase: str) -> int:
         return self.prefill_window if phase == PREFILL else self.window
+
+    @property
+    def pages_at_call(self) -> tuple[int, int]:
+        """(window, compressed) entries a page holds as the engine's call passes the caches."""
+        return self.call_window_page or self.window_page, self.extra_page
 
     def describe(self, phase: str) -> str:
         extra = f", compressed {self.extra} slots (pages of {self.extra_page})" if self.extra else ""
@@ -420,7 +428,7 @@ class SelectionContext:
     :param precision: ``"fast"`` (every kernel may serve, fp8 MMAs included) or ``"exact"`` (only
         kernels that keep bf16/fp32 operands).
     :param dsv4: for a DeepSeek-V4 model, the layer kind's call decided for (one context per layer
-        kind; :mod:`mla_sm120_plugin.dsv4_plan`); None for a DSA model.
+        kind; :mod:`mla_sm120_plugin.families.dsv4`); None for a DSA model.
     """
 
     model_arch: str
@@ -488,7 +496,8 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome of :func:`mla_sm120_plugin.selection.select`: one kernel per phase.
+    """The outcome of :func:`mla_sm120_plugin.selection.select`: one kernel per phase (rendered by
+    :mod:`mla_sm120_plugin.report`).
 
     :param context: what was decided for.
     :param profile: the model profile that matched ``context.model_arch``.
@@ -518,23 +527,3 @@ class Decision:
     @property
     def decode(self) -> str:
         return self.kernels[DECODE]
-
-    def log_line(self) -> str:
-        """The one line the engine logs at init: what runs, and why not the others."""
-        ctx = self.context
-        rejected = "; ".join(
-            f"{r.kernel}/{r.phase}: {', '.join(r.reasons)}" for r in self.rejections
-        ) or "none"
-        return (
-            f"mla_sm120: model={ctx.model_name or ctx.model_arch} ({ctx.model_arch}) "
-            f"device={ctx.device.describe()} kv_cache_dtype={ctx.kv_cache_dtype} "
-            f"scale_format={self.scale_format} heads_per_rank={ctx.num_heads} index_topk={ctx.index_topk} "
-            f"precision={ctx.precision} prefill={self.prefill} decode={self.decode}{self._classes_text()}; "
-            f"rejected: {rejected}"
-        )
-
-    def _classes_text(self) -> str:
-        if not self.classes:
-            return ""
-        return " (accuracy class: " + ", ".join(f"{phase} {self.classes[phase]}" for phase in self.kernels
-                                               if phase in self.classes) + ")"

@@ -40,9 +40,8 @@ def _fresh_registry():
     def clear():
         reset_registry()
         clear_probe_cache()
-        for name in ("mla_sm120_plugin.dispatch.selfcheck", "mla_sm120_plugin.dispatch.dsv4"):
-            if name in sys.modules:  # they import torch: only when used
-                sys.modules[name].clear_cache()
+        if "mla_sm120_plugin.dispatch.selfcheck" in sys.modules:  # it imports torch: only when used
+            sys.modules["mla_sm120_plugin.dispatch.selfcheck"].clear_cache()
 
     clear()
     yield

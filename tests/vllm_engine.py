@@ -1,6 +1,6 @@
 """vLLM 0.33 as it builds and runs the plugin on a GPU, reproduced on the CPU with vLLM's own objects.
 
-What a CPU test must copy from a GPU start-up (FACTS.md §12), in one place for every vLLM test:
+What a CPU test must copy from a GPU start-up (docs/facts.md#vllm-start-up), in one place for every vLLM test:
 
 - :func:`make_vllm_config`: real ``VllmConfig`` objects for a tiny model directory (no weights);
 - :func:`construction_context` / :func:`make_impl`: the impl built the way ``load_model`` builds

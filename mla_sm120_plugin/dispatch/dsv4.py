@@ -7,37 +7,22 @@ maps its keywords onto it): a window cache and an optional compressed cache, eac
 ``[pages, P, 1, 584]`` view of page-major 584-byte records, global slot ids ``[T, 1, K]`` and
 per-token lengths for each, the per-head sink logits, the softmax scale. The plugin's DeepSeek-V4
 kernels take that surface (:func:`triton_dsv4`), so an engine binding routes a (layer kind, phase)
-to one without translating the engine's metadata.
-
-:func:`verify` proves the kernels a layer kind was given on this machine before any weight loads,
-as :mod:`.selfcheck` does for the DSA kernels (same ``MLA_SM120_SELF_CHECK`` modes, same fallback
-along the decision's alternates, same log line): a small two-cache case in the engine's page sizes
-with -1 padding, out-of-range ids, short and empty rows and finite / -inf / large sinks, against
-float64 attention over the dequantized rows, within the kernel's declared bound.
+to one without translating the engine's metadata. Their self-check case is
+:mod:`.selfcheck_dsv4`.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..errors import KernelInputError, UnsupportedConfiguration, format_error
-from ..kernels.accuracy import measure
-from ..kernels.dsv4 import layout, pack
-from ..kernels.dsv4.reference import dsv4_attention_reference
-from . import selfcheck
-from .binding import bind
+from ..errors import KernelInputError, format_error
+from ..kernels.dsv4 import layout
 
 REC = layout.FP8_RECORD
 # FlashInfer's kv_cache_format -> the record it names.
 RECORD_OF_FORMAT = {fmt: layout.RECORDS[name] for name, fmt in layout.FLASHINFER_FORMAT.items()}
-# What vLLM gives FlashInfer's DeepSeek-V4 kernels a device (_FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE);
-# the self-check gives FlashInfer the same.
-FLASHINFER_WORKSPACE_BYTES = 128 << 20
-CHECK_TOKENS = 4  # the self-check's tokens: a full row, a short one, an empty one, a window-only one
 
 
 def _bad(argument: str, given: str, supported: str, fix: str) -> KernelInputError:
@@ -161,176 +146,3 @@ def triton_dsv4(
     if scale2 != 1.0:
         result.mul_(scale2)
     return result
-
-
-# ---------------------------------------------------------------------------------- self-check
-
-
-@dataclass(frozen=True)
-class Dsv4CheckKey:
-    """What one DeepSeek-V4 self-check proves: a kernel, the q heads, both page sizes, the device."""
-
-    kernel: str
-    num_heads: int
-    window_page: int
-    extra_page: int  # 0: a window-only layer kind
-    device: str
-    record: str = layout.FP8_DSV4
-
-
-@dataclass(frozen=True)
-class Dsv4CheckResult:
-    """One check's outcome (``error`` None: passed)."""
-
-    key: Dsv4CheckKey
-    seconds: float
-    error: str | None
-    summary_text: str
-    measured: Any = None  # the kernel's Accuracy against float64 (None: it did not run)
-
-    @property
-    def passed(self) -> bool:
-        return self.error is None
-
-
-_results: dict[Dsv4CheckKey, Dsv4CheckResult] = {}
-
-
-def clear_cache() -> None:
-    """Forget every result (tests)."""
-    _results.clear()
-
-
-def _case(key: Dsv4CheckKey, device: torch.device) -> dict[str, Any]:
-    """The check's call on FlashInfer's surface, built on the CPU with explicit dtypes, then moved.
-
-    Token 0: a full window row (with -1 and out-of-range ids) plus compressed slots; token 1: short
-    rows; token 2: nothing valid (zeros); token 3: a large sink. Group magnitudes vary so that a
-    wrong per-group scale shows.
-    """
-    cpu = torch.device("cpu")
-    gen = torch.Generator(device=cpu).manual_seed(0)
-    window, extra_width = 48, 40
-    record = layout.RECORDS[key.record]
-
-    def cache(page_size: int, entries: int) -> tuple[torch.Tensor, int]:
-        pages = max(2, -(-entries // page_size))
-        rows = torch.randn(pages * page_size, REC.head_dim, generator=gen, dtype=torch.float32, device=cpu)
-        rows[:, : layout.NOPE_DIM] *= torch.tensor([0.25, 1.0, 4.0, 16.0, 0.5, 2.0, 8.0]).repeat_interleave(
-            layout.SCALE_GROUP)
-        buf = pack.new_cache(pages, page_size, device=cpu, record=record)
-        pack.write(buf, rows, torch.arange(pages * page_size, dtype=torch.int64), page_size, record=record)
-        view = buf.as_strided((pages, page_size, 1, record.token_bytes), (buf.stride(0), record.token_bytes,
-                                                                           record.token_bytes, 1))
-        return view, pages * page_size
-
-    def ids(capacity: int, width: int) -> torch.Tensor:
-        out = torch.randint(0, capacity, (CHECK_TOKENS, 1, width), generator=gen, dtype=torch.int32, device=cpu)
-        out[0, 0, :3] = torch.tensor([-1, capacity, 2**31 - 1], dtype=torch.int32)
-        return out
-
-    swa, swa_cap = cache(key.window_page, 3 * window)
-    inputs: dict[str, Any] = dict(
-        query=torch.randn(CHECK_TOKENS, key.num_heads, REC.head_dim, generator=gen, device=cpu),
-        swa_kv_cache=swa, sparse_indices=ids(swa_cap, window),
-        swa_topk_lens=torch.tensor([window, window // 3, 0, window], dtype=torch.int32),
-        bmm1_scale=REC.head_dim ** -0.5, kv_layout="NHD", kv_cache_format=layout.FLASHINFER_FORMAT[key.record])
-    sinks = torch.randn(key.num_heads, generator=gen)
-    sinks[::3] = float("-inf")
-    sinks[1::5] = 30.0  # outweighs every score: that head's output is near zero
-    inputs["sinks"] = sinks
-    if key.extra_page:
-        extra, extra_cap = cache(key.extra_page, 2 * extra_width)
-        inputs.update(compressed_kv_cache=extra, extra_sparse_indices=ids(extra_cap, extra_width),
-                      extra_sparse_topk_lens=torch.tensor([extra_width, 7, 0, 0], dtype=torch.int32))
-    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    moved["query"] = moved["query"].to(torch.bfloat16)
-    return moved
-
-
-def _truth(inputs: dict[str, Any]) -> torch.Tensor:
-    """Float64 attention over the case's dequantized rows (the reference on a float64 q)."""
-    record = RECORD_OF_FORMAT[inputs["kv_cache_format"]]
-    swa, swa_page = pages_of("swa_kv_cache", inputs["swa_kv_cache"], "NHD", record)
-    kwargs: dict[str, Any] = {"record": record}
-    if "compressed_kv_cache" in inputs:
-        extra, extra_page = pages_of("compressed_kv_cache", inputs["compressed_kv_cache"], "NHD", record)
-        kwargs.update(extra_cache=extra, extra_indices=inputs["extra_sparse_indices"][:, 0],
-                      extra_lengths=inputs["extra_sparse_topk_lens"], extra_page_size=extra_page)
-    return dsv4_attention_reference(inputs["query"].double(), swa, inputs["sparse_indices"][:, 0], swa_page,
-                                    sm_scale=inputs["bmm1_scale"], swa_lengths=inputs["swa_topk_lens"],
-                                    sinks=inputs["sinks"], **kwargs)
-
-
-def check(name: str, fn: Callable[..., Any], *, num_heads: int, window_page: int, extra_page: int,
-          device: torch.device, record: str = layout.FP8_DSV4) -> Dsv4CheckResult:
-    """Run kernel ``name`` (``fn``, on FlashInfer's surface) once on the check's case; cached per key."""
-    from ..hooks.manager import get_registry
-
-    key = Dsv4CheckKey(name, num_heads, window_page, extra_page, str(device), record)
-    if key in _results:
-        return _results[key]
-    spec = get_registry().kernels[name]
-    start = time.perf_counter()
-    inputs = _case(key, device)
-    error, text, got = None, "", None
-    try:
-        with selfcheck._forward_time_defaults():
-            workspace = (torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                         if device.type == "cuda" else None)
-            out = torch.empty_like(inputs["query"])
-            fn(workspace_buffer=workspace, out=out, **inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        got = measure(out, _truth(inputs))
-        over = spec.accuracy.violations(got) if spec.accuracy is not None else []
-        text = got.summary()
-        if over:
-            error = f"{', '.join(over)} against float64 (bound {spec.accuracy.summary()})"
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
-        error = selfcheck._one_line(exc)
-    result = Dsv4CheckResult(key, time.perf_counter() - start, error, text, got)
-    _results[key] = result
-    return result
-
-
-def verify(kind: str, decision: Any, engine_fns: dict[str, Callable[..., Any]], *, window_page: int,
-           extra_page: int, device: torch.device) -> tuple[dict[str, str], str]:
-    """Self-check the kernels ``decision`` gives layer kind ``kind``; fall back along its alternates.
-
-    :param decision: the kind's :class:`~mla_sm120_plugin.types.Decision`.
-    :param engine_fns: kernel name -> the callable that runs it on FlashInfer's surface, for kernels
-        the engine runs itself (FlashInfer's); others bind from their registered entry.
-    :param window_page: entries a window page holds as the kernels see it; ``extra_page`` the same for
-        the compressed cache (0: none).
-    :returns: phase -> the kernel to run, and one log line.
-    :raises UnsupportedConfiguration: a phase's kernel and every alternate failed (or the mode is strict).
-    """
-    check_mode = selfcheck.mode()
-    kernels = dict(decision.kernels)
-    if check_mode == "off":
-        return kernels, f"mla_sm120: {kind} self-check skipped ({selfcheck.ENV}=off)"
-    start = time.perf_counter()
-    heads = {phase: decision.context.dsv4.heads_for(phase) for phase in kernels}
-    parts: list[str] = []
-    for phase, name in decision.kernels.items():
-        tried: list[Dsv4CheckResult] = []
-        for candidate in (name, *(() if check_mode == "strict" else decision.alternates.get(phase, ()))):
-            fn = engine_fns.get(candidate) or bind(candidate).fn
-            result = check(candidate, fn, num_heads=heads[phase], window_page=window_page, extra_page=extra_page,
-                           device=device, record=decision.context.kv_cache_dtype)
-            tried.append(result)
-            if result.passed:
-                kernels[phase] = candidate
-                fell = "; ".join(f"{r.key.kernel} FAILED ({r.error})" for r in tried[:-1])
-                parts.append(f"{phase}={(fell + '; falling back to ') if fell else ''}{candidate} ok "
-                             f"({result.summary_text}; {result.seconds:.2f} s)")
-                break
-        else:
-            raise UnsupportedConfiguration(format_error(
-                f"{decision.context.describe()}: DeepSeek-V4 {kind} {phase} kernel {name} failed its self-check on "
-                f"{device}: " + "; ".join(f"{r.key.kernel}: {r.error}" for r in tried),
-                f"a {phase} kernel that matches float64 attention within its declared bounds here",
-                "force another kernel (decode_kernel / prefill_kernel in the plugin config), fix or update the failing "
-                f"kernel's package, or set {selfcheck.ENV}=off to skip the check (at your own risk)"))
-    return kernels, f"mla_sm120: {kind} self-check: {'; '.join(parts)}; {time.perf_counter() - start:.2f} s"

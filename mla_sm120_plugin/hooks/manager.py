@@ -16,18 +16,19 @@ from typing import Any, Mapping, Sequence
 
 import pluggy
 
+from .. import envs
 from ..errors import PluginError, format_error
 from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
 from . import specs
 from .specs import ENTRY_POINT_GROUP, PROJECT_NAME
 
-DISABLE_ENV = "MLA_SM120_DISABLE_PLUGINS"
+DISABLE_ENV = envs.DISABLE_PLUGINS
 
 # Built-in hook modules, registered under these names exactly as an entry point would be.
 BUILTIN_PLUGINS: Mapping[str, str] = {
-    "mla_sm120.models": "mla_sm120_plugin.hooks.builtin",
+    "mla_sm120.models": "mla_sm120_plugin.profiles",
     "mla_sm120.kernels": "mla_sm120_plugin.dispatch.catalog",
-    "mla_sm120.policy": "mla_sm120_plugin.hooks.policy",
+    "mla_sm120.policy": "mla_sm120_plugin.rules",
 }
 
 

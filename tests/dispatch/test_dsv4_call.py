@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_sm120_plugin.dispatch import dsv4
+from mla_sm120_plugin.dispatch import dsv4, selfcheck
 from mla_sm120_plugin.dispatch.binding import BoundKernel, bind
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
@@ -90,8 +90,8 @@ def test_bad_calls_are_refused_naming_the_argument(bad, names):
 
 @pytest.mark.parametrize("heads, window_page, extra_page", [(8, 64, 64), (16, 64, 2), (64, 32, 0)])
 def test_the_self_check_passes_the_triton_kernel(heads, window_page, extra_page):
-    result = dsv4.check(TRITON_DSV4, bind(TRITON_DSV4).fn, num_heads=heads, window_page=window_page,
-                        extra_page=extra_page, device=CPU)
+    result = selfcheck.check(bind(TRITON_DSV4), phase="both", kv_layout=layout.FP8_DSV4, num_heads=heads,
+                             window_page=window_page, extra_page=extra_page, device=CPU)
     assert result.passed, result.error
 
 
@@ -102,12 +102,13 @@ def _one_percent_off(**kwargs):
 
 
 def test_the_self_check_fails_a_kernel_one_percent_off_on_one_token():
-    result = dsv4.check(TRITON_DSV4, _one_percent_off, num_heads=8, window_page=64, extra_page=2, device=CPU)
+    result = selfcheck.check(selfcheck.engine_kernel(TRITON_DSV4, _one_percent_off), phase="both",
+                             kv_layout=layout.FP8_DSV4, num_heads=8, window_page=64, extra_page=2, device=CPU)
     assert not result.passed and "relRMS" in result.error
 
 
 def _plan(precision=None):
-    from mla_sm120_plugin import dsv4_plan
+    from mla_sm120_plugin import plan as plan_mod
     from mla_sm120_plugin.config import load_config
     from mla_sm120_plugin.context import EngineLimits
     from mla_sm120_plugin.device import from_capability
@@ -117,7 +118,7 @@ def _plan(precision=None):
     reg = get_registry()
     facts = resolve_model("deepseek-v4-flash", registry=reg)
     settings = load_config({"precision": precision} if precision else None, kernel_names=reg.kernels)
-    return dsv4_plan.plan(facts, settings.for_model(facts.name, facts.arch), from_capability(12, 0, source="planned"),
+    return plan_mod.plan(facts, settings.for_model(facts.name, facts.arch), from_capability(12, 0, source="planned"),
                           None, EngineLimits(tensor_parallel_size=8), registry=reg)
 
 
@@ -130,7 +131,8 @@ def test_verify_falls_back_to_the_triton_kernel_when_flashinfers_fails_here():
     def flashinfer_here(**kwargs):
         raise RuntimeError("FlashInfer's SM120 module needs a GPU")
 
-    kernels, line = dsv4.verify("c4a", decision, {FLASHINFER_DSV4: flashinfer_here}, window_page=64, extra_page=64,
+    assert decision.context.dsv4.pages_at_call == (64, 64)
+    kernels, line = selfcheck.verify(decision, engine_fns={FLASHINFER_DSV4: flashinfer_here}, strict=False,
                                 device=CPU)
     assert kernels == {"decode": TRITON_DSV4, "prefill": TRITON_DSV4}
     assert "flashinfer_dsv4_sm120 FAILED (RuntimeError: FlashInfer's SM120 module needs a GPU); falling back to " \
@@ -140,10 +142,10 @@ def test_verify_falls_back_to_the_triton_kernel_when_flashinfers_fails_here():
 def test_verify_refuses_when_every_kernel_fails(monkeypatch):
     decision = _plan(precision="exact").decisions["window"]
     assert decision.kernels["decode"] == TRITON_DSV4
-    monkeypatch.setattr("mla_sm120_plugin.dispatch.dsv4.bind",
+    monkeypatch.setattr("mla_sm120_plugin.dispatch.selfcheck.bind",
                         lambda name: BoundKernel(name, _one_percent_off, False, False, True))
     with pytest.raises(UnsupportedConfiguration) as err:
-        dsv4.verify("window", decision, {}, window_page=64, extra_page=0, device=CPU)
+        selfcheck.verify(decision, device=CPU, strict=False)
     assert "DeepSeek-V4 window prefill kernel triton_dsv4 failed its self-check" in str(err.value)
 
 
@@ -175,10 +177,10 @@ def test_triton_dsv4_reads_the_nvfp4_record_when_told_the_format():
 
 
 def test_the_self_check_runs_on_the_plans_record():
-    result = dsv4.check(TRITON_DSV4, bind(TRITON_DSV4).fn, num_heads=16, window_page=64, extra_page=2, device=CPU,
-                        record=layout.NVFP4_DSV4)
-    assert result.passed and result.key.record == layout.NVFP4_DSV4, result.error
+    result = selfcheck.check(bind(TRITON_DSV4), phase="both", kv_layout=layout.NVFP4_DSV4, num_heads=16,
+                             window_page=64, extra_page=2, device=CPU)
+    assert result.passed and result.key.kv_layout == layout.NVFP4_DSV4, result.error
     # another key: results are cached per (kernel, heads, pages, device, record)
-    bad = dsv4.check(TRITON_DSV4, _one_percent_off, num_heads=32, window_page=64, extra_page=2, device=CPU,
-                     record=layout.NVFP4_DSV4)
+    bad = selfcheck.check(selfcheck.engine_kernel(TRITON_DSV4, _one_percent_off), phase="both",
+                          kv_layout=layout.NVFP4_DSV4, num_heads=32, window_page=64, extra_page=2, device=CPU)
     assert not bad.passed and "relRMS" in bad.error

@@ -4,7 +4,7 @@ FlashInfer's SM120 kernels run only on SM12x, but what the binding does around t
 tensor metadata and elementwise torch: its input refusals, the rewrite of out-of-range ids to -1
 (FlashInfer reads any id >= 0), dense lengths, the LSE base, and the correction that takes the
 sink back out of the LSE FlashInfer reports. ``prepare_call(require_cuda=False)`` runs all of it on
-CPU tensors; the expected values here come from the formulas in FACTS.md §4 and §6, not from the
+CPU tensors; the expected values here come from the formulas in docs/facts.md (#sparse-mla-semantics, #flashinfer-sm120-sparse-mla), not from the
 binding.
 """
 

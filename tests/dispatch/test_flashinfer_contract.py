@@ -83,7 +83,7 @@ def test_run_kwargs_bind_to_installed_wrapper_run(with_options):
     assert type(args["sm_scale"]) is float
     # The wrapper's own LSE buffer is reused call to call; the binding passes its own or none.
     assert args["return_lse"] is False
-    assert "seq_lens" not in args  # FACTS §6: never a sequence length
+    assert "seq_lens" not in args  # docs/facts.md#flashinfer-sm120-sparse-mla: never a sequence length
     if with_options:
         assert args["out_lse"] is lse and args["attn_sink"] is not None and args["topk_length"] is not None
 

@@ -8,7 +8,7 @@ from helpers import DEVICE, demo_plugins_except
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry, reset_registry
 from mla_sm120_plugin.kernels.dsa import layout
-from mla_sm120_plugin.dispatch import selfcheck
+from mla_sm120_plugin.dispatch import selfcheck, selfcheck_dsa
 from mla_sm120_plugin.dispatch.binding import bind
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 
@@ -39,22 +39,22 @@ def test_the_case_is_the_layouts_own_and_ignores_the_engines_defaults(kv_layout)
 
     from mla_sm120_plugin.kernels.dsa import pack
 
-    key = selfcheck.CheckKey(TRITON, "decode", kv_layout, "arbitrary", "pow2", 5, 100, "bf16", "cpu")
-    plain = selfcheck._case(key, torch.device("cpu"))
+    key = selfcheck.CheckKey(TRITON, "decode", kv_layout, 5, "cpu", "bf16", "arbitrary", "pow2", 100)
+    plain = selfcheck_dsa.build(key, torch.device("cpu"))
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            inside = selfcheck._case(key, torch.device("cpu"))
+            inside = selfcheck_dsa.build(key, torch.device("cpu"))
     finally:
         torch.set_default_dtype(dtype)
     lay = layout.get(kv_layout)
-    num_slots = selfcheck.NUM_PAGES * layout.PAGE_SIZE
+    num_slots = selfcheck_dsa.NUM_PAGES * layout.PAGE_SIZE
     assert inside["q"].shape == (2, 5, lay.head_dim) and inside["q"].dtype == torch.bfloat16
-    assert inside["kv_cache"].shape == (selfcheck.NUM_PAGES, layout.PAGE_SIZE, lay.row)
+    assert inside["kv_cache"].shape == (selfcheck_dsa.NUM_PAGES, layout.PAGE_SIZE, lay.row)
     assert inside["kv_cache"].dtype == pack.cache_dtype(kv_layout)
     assert inside["sm_scale"] == lay.head_dim**-0.5
-    assert inside["indices"][0, :4].tolist() == list(selfcheck.adversarial_ids(num_slots))
+    assert inside["indices"][0, :4].tolist() == list(selfcheck_dsa.adversarial_ids(num_slots))
     for name in ("q", "kv_cache", "indices", "topk_length"):
         assert inside[name].device.type == "cpu" and torch.equal(inside[name], plain[name]), name
     if lay.fp8 and lay.row > lay.used:
@@ -140,9 +140,8 @@ def test_arbitrary_kernels_are_checked_on_pow2_written_caches_too():
         model_arch="GlmMoeDsaForCausalLM", kv_cache_dtype=layout.FP8_DS_MLA, num_heads=5, index_topk=100,
         device=DeviceInfo("nvidia", 12, 0, source="--sm"), decode_kernel=TRITON, prefill_kernel=TORCH))
     assert decision.scale_format == layout.SCALE_ARBITRARY
-    kernels, line = selfcheck.verify(decision, {"decode": bind(TRITON), "prefill": bind(TORCH)}, q_dtype="bf16",
-                                     device=DEVICE, strict=True)
-    assert [k.name for k in kernels.values()] == [TRITON, TORCH]
+    kernels, line = selfcheck.verify(decision, q_dtype="bf16", device=DEVICE, strict=True)
+    assert [kernels[phase] for phase in ("decode", "prefill")] == [TRITON, TORCH]
     written = {key.written_format for key in selfcheck._results if key.kernel == TRITON}
     assert written == {layout.SCALE_ARBITRARY, layout.SCALE_POW2}, written
     assert line.startswith("mla_sm120: self-check: decode=triton_sparse_mla ok")
@@ -224,9 +223,9 @@ def test_a_faulty_fast_kernel_falls_back_naming_why(monkeypatch):
                                        DeviceInfo("nvidia", 12, 0, source="--sm"), precision="exact"))
     assert decision.decode == TRITON_FAST and decision.alternates["decode"][0] == TRITON, decision
     monkeypatch.setattr(tf, *FAULTS["q lo part dropped"][:2])
-    chosen, line = selfcheck.verify(decision, {"decode": bind(TRITON_FAST)}, q_dtype="bf16", device=DEVICE,
+    chosen, line = selfcheck.verify(decision, phases=["decode"], q_dtype="bf16", device=DEVICE,
                                     strict=False)
-    assert chosen["decode"].name == TRITON, line
+    assert chosen["decode"] == TRITON, line
     assert f"decode={TRITON_FAST} FAILED" in line and "against float64" in line and f"falling back to {TRITON} ok" in line
 
 

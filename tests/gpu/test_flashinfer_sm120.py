@@ -5,7 +5,7 @@ passes: ``flashinfer-python>=0.7.2.post1`` plus nvcc >= 12.8 (sm_120) / 12.9 (sm
 ``flashinfer-jit-cache``. The first call JIT-compiles FlashInfer's module (minutes).
 
 Tolerance: FlashInfer quantises Q and P to fp8 inside the kernel; its upstream tests use
-atol = rtol = 5e-3 for the output (FACTS §6). The LSE bound below is ours, looser, not yet measured
+atol = rtol = 5e-3 for the output (docs/facts.md#flashinfer-sm120-sparse-mla). The LSE bound below is ours, looser, not yet measured
 on hardware: tighten it from the first run's numbers.
 """
 

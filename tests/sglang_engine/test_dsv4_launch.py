@@ -78,7 +78,7 @@ def test_sglangs_v41_config_object_is_read_as_v41(tmp_path, capability):
     hf_config = model_config_of(view).hf_config
     assert hf_config.architectures == ["DeepseekV4ForCausalLM"]  # SGLang runs V4.1 under V4's name
     planned = hooks.dsv4_plan_from_sglang(view, hf_config, (12, 1))
-    from mla_sm120_plugin.dsv4_plan import layer_calls
+    from mla_sm120_plugin.families.dsv4 import layer_calls
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.modelinfo import facts_from_hf_config
 

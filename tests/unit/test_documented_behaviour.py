@@ -759,7 +759,7 @@ def test_engine_limits_name_the_engines_and_take_the_engines_scale_format():
     assert EngineLimits(max_decode_tokens=None, max_prefill_tokens=None).max_prefill_tokens is None
 
 
-# --- refusals in the documented words (README, hooks/policy.py) -----------------------------------------
+# --- refusals in the documented words (README, rules.py) -----------------------------------------
 
 
 def _refusal(capsys, *argv: str) -> list[str]:
@@ -784,7 +784,7 @@ def test_sm90_refusal_is_the_one_the_readme_prints(capsys):
 
 @pytest.mark.parametrize("sm, where", [("cpu", "no GPU (CPU)"), ("rocm", "a ROCm GPU")])
 def test_a_device_that_is_not_nvidia_is_refused_with_how_to_plan(capsys, sm, where):
-    """hooks/policy.py: off NVIDIA the refusal says what the device is and how to plan for an SM12x GPU."""
+    """rules.py: off NVIDIA the refusal says what the device is and how to plan for an SM12x GPU."""
     lines = _refusal(capsys, "--model", "glm-5", "--sm", sm)
     assert f"  - device {where}: this plugin serves NVIDIA SM12x GPUs only" in lines
     assert "supported: an NVIDIA SM120/SM121 GPU (the SM12x family: RTX 50xx, RTX PRO 6000 Blackwell, DGX Spark)" in lines
@@ -812,8 +812,8 @@ def test_an_unreadable_kv_cache_dtype_names_the_flag_to_pass(capsys, engine, kv,
 
 
 def test_kv_dtype_fix_speaks_vllm_unless_told_otherwise():
-    """hooks.policy.kv_dtype_fix: the engine defaults to vLLM."""
-    from mla_sm120_plugin.hooks.policy import kv_dtype_fix
+    """rules.kv_dtype_fix: the engine defaults to vLLM."""
+    from mla_sm120_plugin.rules import kv_dtype_fix
 
     assert "plain fp8 is not rewritten" in kv_dtype_fix("fp8")
     assert kv_dtype_fix("fp8", "sglang").startswith("pass --kv-cache-dtype fp8_e4m3")
@@ -982,7 +982,7 @@ def test_the_sm_family_envelope_applies_to_nvidia_only(monkeypatch):
     assert choose_kernel_for_shape(kv_layout="bf16", num_heads=8, topk=64, num_tokens=4, device_type="cpu") == TRITON
 
 
-# --- the decision as check prints it (selection.explain, decision_to_dict, the refusal's parts) ---------
+# --- the decision as check prints it (report.explain, decision_to_dict, the refusal's parts) ---------
 
 
 def test_check_prints_the_model_the_bounds_and_each_rejection(capsys):
@@ -1004,7 +1004,8 @@ def test_check_prints_the_model_the_bounds_and_each_rejection(capsys):
 
 def test_a_rejection_with_several_reasons_lists_them_on_one_line():
     """selection.explain: "each rejection" on its own line, its reasons joined by "; "."""
-    from mla_sm120_plugin.selection import explain, select
+    from mla_sm120_plugin.report import explain
+    from mla_sm120_plugin.selection import select
 
     d = select(_edge_ctx(heads=4, topk=2048), registry=_edge_registry(heads=(8, 32), topk_min=4096))
     lines = explain(d).splitlines()
@@ -1257,7 +1258,7 @@ def test_a_plugin_refusal_without_supported_or_fix_still_gets_both_parts_and_eve
     from mla_sm120_plugin.errors import UnsupportedConfiguration
     from mla_sm120_plugin.hooks import hookimpl
     from mla_sm120_plugin.hooks.manager import build_registry
-    from mla_sm120_plugin.hooks.policy import SERVED_DEVICE
+    from mla_sm120_plugin.rules import SERVED_DEVICE
     from mla_sm120_plugin.selection import select
 
     class Site:

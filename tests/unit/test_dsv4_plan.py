@@ -1,4 +1,4 @@
-"""DeepSeek-V4 planned per layer kind and phase, before any weight loads (FACTS §14).
+"""DeepSeek-V4 planned per layer kind and phase, before any weight loads (docs/facts.md#deepseek-v4).
 
 From profile names and from config.json files (transformers' own DeepseekV4Config, V4.1's nested
 text_config), for vLLM and SGLang: each layer kind's call (q heads as the engine pads them, window
@@ -13,10 +13,11 @@ import json
 import pytest
 from helpers import run_cli
 
-from mla_sm120_plugin import dsv4_plan
+from mla_sm120_plugin import plan as plan_mod
+from mla_sm120_plugin import report
 from mla_sm120_plugin.config import load_config
 from mla_sm120_plugin.context import EngineLimits, build_context, context_from_json, context_to_json
-from mla_sm120_plugin.selection import explain
+from mla_sm120_plugin.report import explain
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry
@@ -35,7 +36,7 @@ def _plan(model, *, engine="vllm", tp=1, device=SM120, kv=None, precision=None, 
                            kernel_names=REG.kernels).for_model(facts.name, facts.arch)
     limits = EngineLimits(tensor_parallel_size=tp, engine=engine,
                           max_decode_tokens=kwargs.pop("max_decode_tokens", None))
-    return dsv4_plan.plan(facts, settings, device, kv, limits, registry=REG, **kwargs)
+    return plan_mod.plan(facts, settings, device, kv, limits, registry=REG, **kwargs)
 
 
 def _facts(cfg: dict, name="model"):
@@ -247,7 +248,7 @@ def test_check_prints_a_row_per_kind_and_phase_and_the_opt_in():
 
 
 def test_the_json_says_the_record_and_its_capacity():
-    data = dsv4_plan.plan_to_dict(_plan("deepseek-v4-pro", tp=8))
+    data = report.to_dict(_plan("deepseek-v4-pro", tp=8))
     assert data["kv_record"] == {"name": "fp8_dsv4", "token_bytes": 584}
     capacity = data["layer_kinds"]["c4a"]["decision"]["capacity"]
     assert capacity == {"layouts": {"fp8_dsv4": {"token_bytes": 584, "tokens_per_gib": (1 << 30) // 584}},
@@ -272,7 +273,7 @@ def test_nvfp4_is_planned_for_vllm_with_the_capacity_it_buys():
                     ("c4a", "prefill"): FLASHINFER_DSV4, ("c4a", "decode"): FLASHINFER_DSV4,
                     ("window", "prefill"): FLASHINFER_DSV4, ("window", "decode"): FLASHINFER_DSV4}
     plan = _plan("deepseek-v4-flash", tp=4, kv="nvfp4_ds_mla")
-    data = dsv4_plan.plan_to_dict(plan)
+    data = report.to_dict(plan)
     assert data["kv_record"] == {"name": "nvfp4_dsv4", "token_bytes": 384}
     assert data["capacity"]["ratio"] == 1.52
     assert data["capacity"]["tokens_per_gib"]["nvfp4_dsv4"] > data["capacity"]["tokens_per_gib"]["fp8_dsv4"]

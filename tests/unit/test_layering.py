@@ -76,16 +76,20 @@ def test_a_kernel_module_holds_no_hook_implementation(path):
     assert "hookimpl" not in names and not hooks, f"{path.relative_to(PACKAGE)}: hookimpl or hook functions {hooks}"
 
 
-# The package's layers, bottom first; a module may import its own layer and the ones below it.
+# The package's floors, bottom first; a module may import its own floor and the ones below it.
 LAYERS = (
-    ("kernels", "errors"),                        # pure kernels and the bytes they read
-    ("files", "types", "engines", "device", "config", "modelinfo", "hooks", "selection", "context",
-     "dsv4_plan"),  # decisions
+    ("errors", "envs"),                                      # leaves: error types, environment variable names
+    ("kernels",),                                            # pure kernels and the bytes they read
+    ("files", "types", "device", "engines", "config"),       # facts and settings
+    ("hooks", "modelinfo", "profiles", "rules"),             # the hook mechanism; the built-in profiles and rules
+    ("selection", "context"),                                # the constraint matrix, the context builder
+    ("families", "plan", "report"),                          # a model's plan per layer kind, rendered
     ("dispatch",),                                # catalog, binding, public entry, FlashInfer, self-check
     ("tools",),                                   # compile gate, bench
     ("integration", "cli", "__init__"),           # the engines' and the user's doors
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def _layer(module: str) -> str:
@@ -99,11 +103,61 @@ def test_every_top_level_module_has_a_layer():
     assert tops == set(RANK), sorted(tops ^ set(RANK))
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_point_down_the_layers(path):
     own = _layer(_module_name(path)) if path != PACKAGE / "__init__.py" else "__init__"
     upward = sorted(m for m in package_imports(path) if RANK[_layer(m)] > RANK[own])
     assert not upward, f"{path.relative_to(PACKAGE)} (layer {RANK[own]}) imports {upward} from a layer above"
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a package is its ``__init__``), in-function imports
+    included, self-imports left out."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        name = _module_name(path)
+        graph[name] = {m for m in package_imports(path) if m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_circle():
+    """No module reaches itself through imports, at module level or inside a function (a face that
+    its own rooms import back, two rules modules that import each other)."""
+    cycle = find_cycle(import_graph(PACKAGE))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_circle_finder_sees_a_circle_through_an_in_function_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"p": {"p.x"}, "p.x": {"p"}}) == ["p", "p.x", "p"]
 
 
 def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 row width and cache writers, the rope-less layout a cache flag gives, a layout's own consistency
 check, the context's precision, and the exact words of the geometry and device refusals.
 
-Values are the engines' facts (FACTS.md, the installed vLLM 0.33 / SGLang 0.5.23), written here as
+Values are the engines' facts (docs/facts.md#engine-rules, the installed vLLM 0.33 / SGLang 0.5.23), written here as
 numbers, never recomputed with the code under test.
 """
 
@@ -16,7 +16,7 @@ from mla_sm120_plugin.config import Settings
 from mla_sm120_plugin.context import EngineLimits, build_context
 from mla_sm120_plugin.device import parse_device
 from mla_sm120_plugin.engines import ENGINES
-from mla_sm120_plugin.hooks.policy import mla_sm120_validate
+from mla_sm120_plugin.rules import mla_sm120_validate
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.modelinfo import ModelFacts
 from mla_sm120_plugin.types import SelectionContext

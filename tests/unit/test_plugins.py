@@ -62,7 +62,7 @@ class _Dup:
     [
         (_WrongType(), ["wrongtype", "mla_sm120_model_profiles", "returned str", "ModelProfile"]),
         (_Raises(), ["raises", "mla_sm120_kernels", "RuntimeError: boom"]),
-        (_Dup(), ["GlmMoeDsaForCausalLM", "registered twice", "builtin (mla_sm120_plugin.hooks.builtin)", "dup"]),
+        (_Dup(), ["GlmMoeDsaForCausalLM", "registered twice", "builtin (mla_sm120_plugin.profiles)", "dup"]),
     ],
 )
 def test_broken_plugins_give_one_named_error(plugin, needles):

@@ -12,6 +12,7 @@ from helpers import assert_three_parts, run_cli
 
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TRITON, TRITON_FAST, TRITON_FAST_SPEC
+from mla_sm120_plugin.report import decision_line
 from mla_sm120_plugin.selection import select
 from mla_sm120_plugin.types import DeviceInfo, KernelSpec, SelectionContext
 
@@ -27,7 +28,7 @@ def test_fast_is_the_default_and_serves_what_flashinfer_cannot():
     decision = _decide()  # 4 heads per GPU: FlashInfer has no prefill kernel for it
     assert decision.context.precision == "fast"
     assert decision.prefill == TRITON_FAST and decision.decode in (FLASHINFER, TRITON_FAST)
-    assert "precision=fast" in decision.log_line()
+    assert "precision=fast" in decision_line(decision)
 
 
 def test_exact_keeps_to_exact_class_kernels():
@@ -36,11 +37,11 @@ def test_exact_keeps_to_exact_class_kernels():
     reasons = {r.kernel: r.reasons for r in decision.rejections if r.phase == "decode"}
     assert any("precision=exact" in reason and "single fp8 q" in reason for reason in reasons[FLASHINFER])
     assert not any("precision=exact" in reason for reason in reasons[TRITON])
-    line = decision.log_line()
+    line = decision_line(decision)
     assert "precision=exact" in line and "(accuracy class: prefill exact, decode exact)" in line
     fast = _decide(heads=8, max_decode_tokens=64)
     assert (fast.prefill, fast.decode) == (FLASHINFER, FLASHINFER)
-    assert "(accuracy class: prefill fast, decode fast)" in fast.log_line()
+    assert "(accuracy class: prefill fast, decode fast)" in decision_line(fast)
 
 
 def test_every_exact_kernel_states_an_exact_class_bound():

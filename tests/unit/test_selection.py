@@ -13,7 +13,8 @@ from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
 from mla_sm120_plugin.hooks import hookimpl
 from mla_sm120_plugin.hooks.manager import build_registry
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
-from mla_sm120_plugin.selection import explain, select
+from mla_sm120_plugin.report import explain
+from mla_sm120_plugin.selection import select
 from mla_sm120_plugin.types import ENGINE_NATIVE_IMPLS, DeviceInfo, SelectionContext
 
 GLM = "GlmMoeDsaForCausalLM"

@@ -1,6 +1,6 @@
 """DeepSeek-V4 layers in vLLM 0.33 with and without ``--attention-backend CUSTOM``, built on the CPU.
 
-vLLM's own objects throughout (FACTS §12): a tiny ``DeepseekV4Config`` model directory, a real
+vLLM's own objects throughout (docs/facts.md#vllm-start-up): a tiny ``DeepseekV4Config`` model directory, a real
 ``VllmConfig`` (``AttentionConfig(backend="CUSTOM")`` is what the flag lands as), vLLM's
 distributed state for one rank (gloo), the platform reading as SM 12.0 on its class (the
 capability checks are classmethods) with the load device the compressor allocates on, and each

@@ -1,4 +1,4 @@
-"""The plugin as a vLLM 0.33 GPU start-up builds and runs it, reproduced on the CPU (FACTS.md §12).
+"""The plugin as a vLLM 0.33 GPU start-up builds and runs it, reproduced on the CPU (docs/facts.md#vllm-start-up).
 
 - The impl is built inside ``set_default_torch_dtype(bf16)`` and ``torch.device("meta")`` (the
   stand-in for ``cuda``) with the self-check on, as ``load_model`` builds it.
@@ -22,7 +22,7 @@ from model_configs import write_model
 from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
-from mla_sm120_plugin.dispatch import forward as api, flashinfer, selfcheck
+from mla_sm120_plugin.dispatch import forward as api, flashinfer, selfcheck, selfcheck_dsa
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.dispatch.binding import BoundKernel
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
@@ -145,8 +145,8 @@ def test_forward_hands_every_binding_64_row_pages(tmp_path, cpu_vllm, kv_dtype, 
 @pytest.mark.parametrize("phase", [DECODE, PREFILL])
 @pytest.mark.parametrize("kv_dtype", ["fp8_ds_mla", "bf16"])
 def test_the_self_check_case_has_the_engines_geometry(kv_dtype, phase):
-    key = selfcheck.CheckKey("k", phase, kv_dtype, "arbitrary", "arbitrary", HEADS, TOPK, "bf16", "cpu")
-    case = selfcheck._case(key, torch.device("cpu"))
+    key = selfcheck.CheckKey("k", phase, kv_dtype, HEADS, "cpu", "bf16", "arbitrary", "arbitrary", TOPK)
+    case = selfcheck_dsa.build(key, torch.device("cpu"))
     kwargs = dict(sm_scale=case["sm_scale"], kv_layout=kv_dtype, topk_length=case["topk_length"])
     _assert_every_binding_takes(case["q"], case["kv_cache"], case["indices"], kwargs, kv_dtype)
     # The adversarial ids are in the case: padding, out of range (just past and far past), a duplicate.

@@ -3,7 +3,7 @@
 vLLM's own metadata builder turns a real CommonAttentionMetadata (2 decode requests, 2 prefill
 requests) into the metadata forward_mqa reads; decode rows run the Triton kernel (interpreter),
 prefill rows the torch reference. The result is checked against a float64 dense computation
-written here from FACTS §4, on a cache whose pages sit 128 rows apart (vLLM interleaves other
+written here from docs/facts.md#sparse-mla-semantics, on a cache whose pages sit 128 rows apart (vLLM interleaves other
 layers' pages), with 5 heads and an index top-k of 100 (not a multiple of 64).
 """
 
@@ -26,7 +26,7 @@ OUT_ATOL = 2e-2
 
 
 def _dense_expected(q, cache_rows_f64, logical, scale) -> torch.Tensor:
-    """FACTS §4 per token, in float64, straight from block table and logical positions."""
+    """docs/facts.md#sparse-mla-semantics per token, in float64, straight from block table and logical positions."""
     out = torch.zeros(q.shape[0], HEADS, 512, dtype=torch.float64)
     req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
     for t in range(q.shape[0]):

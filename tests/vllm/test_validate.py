@@ -12,6 +12,7 @@ from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.errors import ConfigError, UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
+from mla_sm120_plugin.report import decision_line
 
 
 def _validate(vc, kv="fp8_ds_mla", cap=(12, 0)):
@@ -218,7 +219,7 @@ def test_the_decision_line_names_the_precision_and_the_config_switches_it(tmp_pa
     fast = decide(make_vllm_config(model, tp=16), "fp8_ds_mla", 12, 0)
     exact = decide(make_vllm_config(model, tp=16, additional_config={"mla_sm120": {"precision": "exact"}}),
                    "fp8_ds_mla", 12, 0)
-    assert "precision=fast" in fast.log_line() and "precision=exact" in exact.log_line()
+    assert "precision=fast" in decision_line(fast) and "precision=exact" in decision_line(exact)
     # exact keeps to exact-class kernels: FlashInfer's single-e4m3 path out, the fp8-MMA Triton kernel in
     assert FLASHINFER not in exact.kernels.values() and set(exact.classes.values()) == {"exact"}
-    assert "(accuracy class: prefill exact, decode exact)" in exact.log_line()
+    assert "(accuracy class: prefill exact, decode exact)" in decision_line(exact)

@@ -22,7 +22,7 @@ Registered only when the plugin is enabled (:func:`mla_sm120_plugin.integration.
   call belongs to (target-verify and draft-extend count as decode, as SGLang counts them).
 - ``apply_deepseek_v4_defaults`` (AROUND, launcher, before any weight loads): for DeepSeek-V4
   (V4.1 runs under V4's architecture there), once SGLang resolved its settings, plans every
-  (layer kind, phase) (:mod:`mla_sm120_plugin.dsv4_plan`), refuses at launch what cannot be
+  (layer kind, phase) (:mod:`mla_sm120_plugin.plan`), refuses at launch what cannot be
   served and exports each kind's context for the schedulers.
 - ``DeepseekV4AttnBackend.__init__`` (AROUND, each scheduler): binds each kind's kernels from the
   launcher's plan and self-checks them (:func:`dsv4_bound_state`).
@@ -55,6 +55,7 @@ from ...errors import KernelInputError, PluginError, UnsupportedConfiguration, f
 from ...hooks.manager import get_registry
 from ...kernels.dsa.layout import get as get_layout
 from ...modelinfo import facts_from_hf_config
+from ...report import decision_line, log_line
 from ...selection import DECODE_TOKENS_MAX, select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
 from . import BUILT_FOR, ENABLE_ENV, FLAG, INLINE_CONFIG_ENV, enabled
@@ -261,7 +262,7 @@ def around_resolution(original_fn: Callable[..., dict], view: Any, *args: Any, *
     ctx = context_from_sglang(view, hf_config, tuple(torch.cuda.get_device_capability()))
     decision = select(ctx)  # UnsupportedConfiguration stops SGLang's start-up here
     os.environ[CONTEXT_ENV] = context_to_json(ctx)
-    logger.warning("%s", decision.log_line())
+    logger.warning("%s", decision_line(decision))
     return {"dsa_prefill_backend": ROUTE, "dsa_decode_backend": ROUTE}
 
 
@@ -280,7 +281,7 @@ def around_dsv4_defaults(original_fn: Callable[..., Any], server_args: Any, mode
     view = ResolvedView(server_args, overlay=_declaration_overlay(server_args))
     plan = dsv4_plan_from_sglang(view, model_config_of(view).hf_config, tuple(torch.cuda.get_device_capability()))
     os.environ[DSV4_PLAN_ENV] = json.dumps({kind: context_to_json(d.context) for kind, d in plan.decisions.items()})
-    logger.warning("%s", plan.log_line())
+    logger.warning("%s", log_line(plan))
     return result
 
 
@@ -290,7 +291,7 @@ def dsv4_plan_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]
     :raises UnsupportedConfiguration: a (layer kind, phase) cannot be served, or the TP size, the
         KV dtype or the device cannot.
     """
-    from ...dsv4_plan import plan
+    from ...plan import plan
 
     reg = get_registry()
     facts = facts_from_hf_config(hf_config, name=str(getattr(view, "served_model_name", None) or view.model_path),
@@ -550,9 +551,9 @@ def bound_state() -> BoundState:
 
     ctx = context_from_json(text)
     decision = select(ctx)
-    kernels = {phase: bind(decision.kernels[phase]) for phase in (DECODE, PREFILL)}
-    kernels, line = selfcheck.verify_at_init(decision, kernels)
-    logger.info("%s", decision.log_line())
+    names, line = selfcheck.verify_at_init(decision)
+    kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
+    logger.info("%s", decision_line(decision))
     logger.info("%s", line)
     _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)
     return _bound["state"]
@@ -577,11 +578,9 @@ def dsv4_bound_state() -> Dsv4BoundState:
     if "dsv4" in _bound:
         return _bound["dsv4"]
     text = _from_launcher(DSV4_PLAN_ENV, "DeepSeek-V4 plan", "applying its DeepSeek-V4 defaults")
-    from ...dispatch import dsv4 as dsv4_dispatch
+    from ...dispatch import selfcheck
     from ...dispatch.binding import bind
     from ...dispatch.catalog import FLASHINFER_DSV4
-    from ...dispatch.selfcheck import engine_device
-    from ...dsv4_plan import SGLANG
 
     decisions = {kind: select(context_from_json(ctx)) for kind, ctx in json.loads(text).items()}
     direct = pkgutil.resolve_name("flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4") if any(
@@ -589,10 +588,8 @@ def dsv4_bound_state() -> Dsv4BoundState:
     routes: dict[int, tuple[str, dict[str, Any]]] = {}
     for kind, decision in decisions.items():
         call = decision.context.dsv4
-        kernels, line = dsv4_dispatch.verify(
-            kind, decision, {FLASHINFER_DSV4: direct} if direct else {},
-            # the pages this call site passes: SGLang's own (the split into 64 is its FlashInfer path's)
-            window_page=SGLANG.compressed_page_tokens["v4"], extra_page=call.extra_page, device=engine_device())
+        # the pages this call site passes (the plan's): SGLang's own, the split into 64 is its FlashInfer path's
+        kernels, line = selfcheck.verify_at_init(decision, {FLASHINFER_DSV4: direct} if direct else {})
         logger.info("%s", line)
         routes[call.extra_page] = (kind, {phase: None if name == FLASHINFER_DSV4 else bind(name).fn
                                           for phase, name in kernels.items()})

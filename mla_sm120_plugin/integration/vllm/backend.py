@@ -30,9 +30,10 @@ from ...config import ADDITIONAL_CONFIG_KEY
 from ...context import EngineLimits, build_context, plugin_config
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
-from ...hooks.policy import SERVED_SM_FAMILIES
 from ...dispatch import selfcheck
 from ...dispatch.binding import BoundKernel, bind
+from ...report import decision_line
+from ...rules import SERVED_SM_FAMILIES
 from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
 from ...kernels.dsa.pack import page_view
 from ...modelinfo import facts_from_hf_config
@@ -229,15 +230,15 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         self.decision = decision
         ctx = self.decision.context
         self.kv_layout = ctx.kv_cache_dtype
-        kernels = {phase: bind(self.decision.kernels[phase]) for phase in (DECODE, PREFILL)}
         # Proved here, while vLLM builds the model: before any weight loads and before graph
         # capture, on its own small buffers. Results are per process, so later layers reuse them.
-        kernels, check_line = selfcheck.verify_at_init(self.decision, kernels)
+        names, check_line = selfcheck.verify_at_init(self.decision)
+        kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
         self._kernels: dict[str, BoundKernel] = kernels
         self._single_kernel = kernels[DECODE].name == kernels[PREFILL].name
         if ctx not in SLOT.logged:
             SLOT.logged.add(ctx)
-            logger.info("%s", self.decision.log_line())
+            logger.info("%s", decision_line(self.decision))
             logger.info("%s", check_line)
 
     def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:

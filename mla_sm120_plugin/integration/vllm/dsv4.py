@@ -10,7 +10,7 @@ import hook: ``register()`` imports no DeepSeek-V4 module). The wrapper:
 - without the opt-in (CUSTOM not selected, or CUSTOM another plugin's), returns what vLLM's own
   function returns: nothing changes;
 - with it, plans the deployment while vLLM builds the model, before any weight loads
-  (:func:`mla_sm120_plugin.dsv4_plan.plan`, the plan ``mla-sm120 check`` prints: a refusal stops
+  (:func:`mla_sm120_plugin.plan.plan`, the plan ``mla-sm120 check`` prints: a refusal stops
   start-up with given / supported / fix, SM90 included), logs the plan line once a process, and
   returns the plugin's subclass of vLLM's ``DeepseekV4FlashInferSM120Attention`` (V4's or V4.1's).
 
@@ -167,16 +167,18 @@ def plan_key(vllm_config: Any) -> tuple[Any, ...]:
 
 
 def plan_for(vllm_config: Any) -> Any:
-    """The :class:`~mla_sm120_plugin.dsv4_plan.Dsv4Plan` for this vLLM config (once a process a key),
+    """The :class:`~mla_sm120_plugin.plan.Plan` for this vLLM config (once a process a key),
     logged once.
 
-    :raises UnsupportedConfiguration: as :func:`mla_sm120_plugin.dsv4_plan.plan`, or no GPU capability.
+    :raises UnsupportedConfiguration: as :func:`mla_sm120_plugin.plan.plan`, or no GPU capability.
     """
     key = plan_key(vllm_config)
     plans = _state["plans"]
     if key not in plans:
+        from ...report import log_line
+
         plans[key] = _plan(vllm_config)
-        logger.info("%s", plans[key].log_line())
+        logger.info("%s", log_line(plans[key]))
     return plans[key]
 
 
@@ -184,7 +186,7 @@ def _plan(vllm_config: Any) -> Any:
     from vllm.platforms import current_platform
 
     from ...device import from_capability
-    from ...dsv4_plan import plan
+    from ...plan import plan
     from ...errors import UnsupportedConfiguration, format_error
     from ...hooks.manager import get_registry
     from .backend import engine_limits, model_and_settings
@@ -239,7 +241,7 @@ def _route_kernel_global(module: Any) -> None:
 
 def layer_kind(layer: Any) -> str:
     """The plan's name for a built layer's kind: V4 stores a window-only layer as ratio 1, V4.1 as 0."""
-    from ...dsv4_plan import kind_name
+    from ...families.dsv4 import kind_name
 
     ratio = int(layer.compress_ratio)
     v41 = any(cls.__module__.startswith("vllm.models.deepseek_v41.") for cls in type(layer).__mro__)
@@ -331,14 +333,11 @@ def _route_for(name: str, record: str, module: Any) -> Callable[..., Any] | None
 
 def _verified(kind: str, decision: Any, module: Any) -> dict[str, str]:
     """Each phase's kernel for ``kind`` after the self-check (once a process a kind and plan)."""
-    from ...dispatch import dsv4 as dsv4_dispatch
+    from ...dispatch import selfcheck
     from ...dispatch.catalog import FLASHINFER_DSV4
-    from ...dispatch.selfcheck import engine_device
 
-    call = decision.context.dsv4
     original = getattr(getattr(module, KERNEL_GLOBAL), "__wrapped__", getattr(module, KERNEL_GLOBAL))
-    kernels, line = dsv4_dispatch.verify(kind, decision, {FLASHINFER_DSV4: original}, window_page=call.window_page,
-                                         extra_page=call.extra_page, device=engine_device())
+    kernels, line = selfcheck.verify_at_init(decision, {FLASHINFER_DSV4: original})
     if (kind, decision.context) not in _state["logged"]:
         _state["logged"].add((kind, decision.context))
         logger.info("%s", line)

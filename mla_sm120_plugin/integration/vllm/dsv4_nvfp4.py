@@ -4,7 +4,7 @@ vLLM takes ``nvfp4_ds_mla`` on its command line and in its config for an MLA mod
 layer refuses it at build (``_resolve_dsv4_kv_cache_dtype`` accepts only fp8 spellings for the
 packed layout), and nothing in vLLM writes or reads FlashInfer's 384-byte record. With
 ``--attention-backend CUSTOM`` every DeepSeek-V4 layer is the plugin's class
-(:mod:`.dsv4`); when the plan's record is NVFP4 (:func:`mla_sm120_plugin.dsv4_plan.plan`) that class:
+(:mod:`.dsv4`); when the plan's record is NVFP4 (:func:`mla_sm120_plugin.plan.plan`) that class:
 
 - builds vLLM's layer with the record resolved as ``("nvfp4_ds_mla", uint8)`` (:func:`resolver`,
   answering for vLLM's resolver while the plugin's layer is built, and only then);

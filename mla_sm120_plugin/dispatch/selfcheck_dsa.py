@@ -1,0 +1,117 @@
+"""The DSA family's self-check case: one paged latent cache, top-k slots a token.
+
+The case (:func:`build`) is the engines' call in miniature: the layout's rows written by its packer
+with the key's scale format, 64-row pages, the real heads, top-k and q dtype, and adversarial
+candidates in token 0 (-1, the first slot past the cache, one far past it, a duplicate) and a short
+``topk_length`` in token 1. Four latent tiles of different magnitude, so a wrong per-tile scale
+shows. The truth (:func:`truth`) is the torch reference on a float64 q, over the rows as the cache
+dequantizes them. The runner is :mod:`.selfcheck`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..kernels.dsa import layout, pack
+from ..kernels.dsa.reference import torch_sparse_mla
+from ..types import DECODE, PHASES, PREFILL, Decision
+
+NUM_PAGES = 4
+ORDER = (DECODE, PREFILL)  # the phases in the order they are checked and logged: decode, which graphs capture, first
+# Tokens a call checks, per phase. On a GPU, prefill takes more than 64 tokens: FlashInfer's
+# prefill path starts there. The CPU (Triton's interpreter) checks a few tokens per phase.
+TOKENS_GPU = {"decode": 2, "prefill": 65}
+TOKENS_CPU = {"decode": 2, "prefill": 3}
+_TILE_GAINS = (0.5, 1.0, 2.0, 4.0)  # tiles of different magnitude, so a wrong per-tile scale shows
+# `doctor --self-check`'s top-k: GLM-5's on a GPU; on the CPU (Triton's interpreter) a smaller one
+# keeps it to seconds.
+SWEEP_TOPK = {"gpu": 2048, "cpu": 128}
+
+
+def adversarial_ids(num_slots: int) -> tuple[int, ...]:
+    """The first candidates of token 0 in every case: padding, the first slot past the cache, one far
+    past it and a valid slot. The candidate after them repeats the next one (a duplicate counts twice)."""
+    return (-1, num_slots, num_slots + 1000, 3)
+
+
+def build(key: Any, device: torch.device) -> dict[str, Any]:
+    """The deterministic inputs of a check, in the geometry the engines pass: 64-row pages.
+
+    Any layout of ``layout.LAYOUTS``: q and the cached tokens are as wide as its ``head_dim`` (576,
+    or 512 for GLM-5.3-Flash's rope-less rows), the rows are written by :func:`pack.pack` with the
+    key's ``written_format`` (fp8 layouts), reserved bytes as zeros.
+
+    Every tensor is made on the CPU with an explicit dtype, then moved to ``device``: the engines
+    build the impl inside their own default device and dtype (vLLM: ``torch.device("cuda")`` and the
+    model's bf16), which must change neither the case nor where its generator runs.
+    """
+    lay = layout.get(key.kv_layout)
+    cpu = torch.device("cpu")
+    gen = torch.Generator(device=cpu).manual_seed(0)
+    num_slots = NUM_PAGES * layout.PAGE_SIZE
+    latent = torch.randn(num_slots, lay.head_dim, generator=gen, dtype=torch.float32, device=cpu)  # [S, D]
+    gains = torch.tensor(_TILE_GAINS, dtype=torch.float32, device=cpu).repeat_interleave(layout.FP8_TILE)  # [512]
+    latent[:, : lay.latent] *= gains
+    rows = pack.pack(latent, key.kv_layout, key.written_format or layout.SCALE_ARBITRARY)  # [S, row], uint8 or bf16
+    tokens = (TOKENS_GPU if device.type == "cuda" else TOKENS_CPU)[key.phase]
+    indices = torch.randint(0, num_slots, (tokens, key.topk), generator=gen, dtype=torch.int32, device=cpu)  # [T, topk]
+    special = adversarial_ids(num_slots)[: key.topk]
+    indices[0, : len(special)] = torch.tensor(special, dtype=torch.int32, device=cpu)
+    if key.topk > len(special) + 1:
+        indices[0, len(special) + 1] = indices[0, len(special)]  # a duplicate counts twice
+    topk_length = torch.full((tokens,), key.topk, dtype=torch.int32, device=cpu)
+    if tokens > 1:
+        topk_length[1] = max(1, key.topk // 3)
+    q = torch.randn(tokens, key.num_heads, lay.head_dim, generator=gen, dtype=torch.float32, device=cpu)  # [T, H, D]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[key.q_dtype]
+    return dict(q=q.to(dtype=dtype, device=device), kv_cache=pack.page_view(rows).to(device),  # [P, 64, C]
+                indices=indices.to(device), topk_length=topk_length.to(device),
+                sm_scale=lay.head_dim**-0.5, kv_layout=key.kv_layout)
+
+
+def run(kernel: Any, key: Any, inputs: dict[str, Any]) -> Any:
+    """The kernel on the case, as an engine binding calls it (its scale format told where it takes one)."""
+    return kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                       kv_layout=key.kv_layout, topk_length=inputs["topk_length"], scale_format=key.scale_format)
+
+
+def truth(key: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """Float64 attention over the case's dequantized rows (the reference computes in float64 for a
+    float64 q), so only the kernel's own arithmetic counts."""
+    return torch_sparse_mla(inputs["q"].double(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
+                            kv_layout=key.kv_layout, topk_length=inputs["topk_length"])
+
+
+def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: str) -> list[dict[str, Any]]:
+    """What proves ``kernel`` for ``phase`` of ``decision`` (the runner's ``CheckKey`` fields): the
+    decision's layout, heads and top-k.
+
+    A kernel told "arbitrary" must also read power-of-two scales right: vLLM 0.33's DSA cache writer
+    stores pow2 scales for every model, GLM included, and GLM-5.3-Flash's rope-less rows
+    (concat_and_cache_mla) may hold either. One told "pow2" reads only pow2.
+    """
+    ctx = decision.context
+    written = [decision.scale_format]
+    if ctx.kv_cache_dtype in layout.FP8_LAYOUTS and decision.scale_format == layout.SCALE_ARBITRARY:
+        written.append(layout.SCALE_POW2)
+    return [dict(kernel=kernel, phase=phase, kv_layout=ctx.kv_cache_dtype, num_heads=ctx.num_heads, device=device,
+                 q_dtype=q_dtype, scale_format=decision.scale_format, written_format=fmt, topk=ctx.index_topk)
+            for fmt in written]
+
+
+def sweep_keys(name: str, spec: Any, *, num_heads: int, device: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """``doctor --self-check``'s keys for a DSA kernel (``CheckKey`` fields): each layout it reads, both
+    scale formats on the 656-byte fp8 layout, each phase; with the row fields as ``doctor`` shows them."""
+    topk = SWEEP_TOPK["gpu" if device.startswith("cuda") else "cpu"]
+    out = []
+    for kv_layout in sorted(spec.kv_cache_dtypes):
+        formats = layout.SCALE_FORMATS if kv_layout == layout.FP8_DS_MLA else (layout.SCALE_ARBITRARY,)
+        for scale_format in formats:
+            for phase in (p for p in sorted(PHASES) if p in spec.phases):
+                key = dict(kernel=name, phase=phase, kv_layout=kv_layout, num_heads=num_heads, device=device,
+                           scale_format=scale_format, written_format=scale_format, topk=topk)
+                out.append((key, dict(scale_format=scale_format if kv_layout == layout.FP8_DS_MLA else None,
+                                      topk=topk)))
+    return out

@@ -1,0 +1,126 @@
+"""One plan shape for every model: layer kind -> the decision for its call.
+
+:func:`plan` asks the model's family (:mod:`mla_sm120_plugin.families`) for one selection context
+per layer kind, shaped as the engine will make the call (a DSA model: one kind; DeepSeek-V4: the
+window and each compressed kind), and decides every context with the same constraint matrix
+(:func:`mla_sm120_plugin.selection.select`): kernels, envelopes, probes, the plugin config's forced
+kernels and precision. ``mla-sm120 check`` and both engine adapters call it; :mod:`.report` renders
+what it returns. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import config as config_mod
+from .context import EngineLimits
+from .errors import UnsupportedConfiguration
+from .families import dsa, dsv4
+from .hooks.manager import Registry, get_registry
+from .modelinfo import ModelFacts
+from .selection import select
+from .types import DSA_FAMILY, DSV4_FAMILY, PHASES, Decision, DeviceInfo
+
+# Each family's part of the plan: how its calls are shaped into contexts.
+PARTS = {DSA_FAMILY: dsa, DSV4_FAMILY: dsv4}
+
+
+def family_of(facts: ModelFacts) -> str:
+    """The model family of ``facts``: DeepSeek-V4 where the reader found its layer geometry, else DSA."""
+    return DSV4_FAMILY if facts.dsv4 is not None else DSA_FAMILY
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A deployment decided per layer kind.
+
+    :param facts: the model.
+    :param engine: the engine key.
+    :param device: the device planned for.
+    :param tensor_parallel_size: ranks the heads are split over.
+    :param family: the model family (``"dsa"``, ``"dsv4"``).
+    :param decisions: layer kind -> the :class:`~mla_sm120_plugin.types.Decision` for its call (a DSA
+        model: one kind, :data:`mla_sm120_plugin.families.dsa.KIND`).
+    :param notes: what is worth a line beside the table (the decisions' own notes, then the family's).
+    :param record: the cache record every layer reads (a DeepSeek-V4 record name), or None (each
+        decision's context names its layout).
+    """
+
+    facts: ModelFacts
+    engine: str
+    device: DeviceInfo
+    tensor_parallel_size: int
+    family: str
+    decisions: Mapping[str, Decision]
+    notes: tuple[str, ...] = field(default=())
+    record: str | None = None
+
+    @property
+    def decision(self) -> Decision:
+        """The one decision of a one-kind plan (a DSA model).
+
+        :raises ValueError: the plan has several kinds.
+        """
+        if len(self.decisions) != 1:
+            raise ValueError(f"a plan of {len(self.decisions)} layer kinds ({sorted(self.decisions)}) has no one decision")
+        return next(iter(self.decisions.values()))
+
+    def kernels(self) -> dict[tuple[str, str], str]:
+        """(layer kind, phase) -> the kernel that serves it."""
+        return {(kind, phase): d.kernels[phase] for kind, d in self.decisions.items() for phase in PHASES}
+
+
+def check_kv_cache_dtype(facts: ModelFacts, engine: str, given: str | None) -> str | None:
+    """The ``--kv-cache-dtype`` ``mla-sm120 check`` plans: ``given``, else the fp8 cache a deployment on
+    SM12x uses for this model's family (a DSA model: the engine's fp8 DSA layout; DeepSeek-V4: auto)."""
+    return given if given else PARTS[family_of(facts)].check_kv_cache_dtype(engine)
+
+
+def plan(
+    facts: ModelFacts,
+    settings: config_mod.Settings,
+    device: DeviceInfo,
+    kv_cache_dtype: str | None,
+    limits: EngineLimits,
+    *,
+    speculative_tokens: int = 0,
+    dspark: bool = False,
+    registry: Registry | None = None,
+) -> Plan:
+    """Decide every (layer kind, phase) of a deployment.
+
+    :param facts: the model (:func:`mla_sm120_plugin.modelinfo.resolve_model` or the engine's config).
+    :param settings: the plugin settings for this model (forced kernels, precision).
+    :param device: the device planned for.
+    :param kv_cache_dtype: the engine's ``--kv-cache-dtype`` as the user wrote it (None: auto).
+    :param limits: the engine's TP size, call-size bounds and CUDA-graph setting.
+    :param speculative_tokens: draft tokens a step (vLLM's DSpark widens DeepSeek-V4 decode window rows).
+    :param dspark: the draft is DSpark (non-causal window rows).
+    :param registry: the plugin registry; the process-wide one by default.
+    :returns: the plan, one decision per layer kind.
+    :raises UnsupportedConfiguration: what no kind can serve (device, TP size, KV dtype), or some
+        (layer kind, phase) has no kernel: every such kind in one message, a refusal the kinds share
+        said once.
+    """
+    reg = registry if registry is not None else get_registry()
+    family = family_of(facts)
+    shaped = PARTS[family].shape(facts, settings, device, kv_cache_dtype, limits,
+                                 speculative_tokens=speculative_tokens, dspark=dspark)
+    decisions: dict[str, Decision] = {}
+    problems: dict[str, list[str]] = {}
+    for kind, ctx in shaped.contexts.items():
+        try:
+            decisions[kind] = select(ctx, registry=reg)
+        except UnsupportedConfiguration as error:
+            if ctx.dsv4 is None:
+                raise  # one call shape: its refusal as the matrix wrote it
+            layers = ctx.dsv4.layers
+            text = str(error).replace(f", layer kind {kind}", "", 1)
+            problems.setdefault(text, []).append(f"{kind} ({layers} layer{'s' if layers != 1 else ''})")
+    if problems:
+        raise UnsupportedConfiguration("\n".join(f"layer kinds {', '.join(kinds)}:\n{text}"
+                                                 for text, kinds in problems.items()))
+    notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes)
+    return Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
+                family=family, decisions=decisions, notes=tuple(dict.fromkeys(notes)), record=shaped.record)
