@@ -25,15 +25,11 @@ FAMILY = "dsv4"
 ENTRY = "flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4"
 # The public call accepts these q head counts on SM120 ("Expected 8, 16, 32, 64, or 128 query heads").
 API_HEADS = (8, 16, 32, 64, 128)
-# FlashInfer 0.7.2's NVFP4 record (kv_cache_format="nvfp4"), as
-# flashinfer.mla.supported_sparse_mla_sm120_configs(kv_cache_format="nvfp4")["dsv4"] gives it on any
-# machine: window pages of 64 entries, index rows of exactly 128 or 512 slots (compiled, not runtime),
-# compressed pages of 2 / 32 / 64 entries, the same q heads. Its "sparse" route only (what the
-# engines' call reaches): the cake route's own shapes are not planned.
-NVFP4_WINDOW_PAGE = 64
-NVFP4_TOPKS = (128, 512)
-NVFP4_EXTRA_PAGES = (2, 32, 64)
-
+# FlashInfer's NVFP4 record (kv_cache_format="nvfp4") is its own table's family ("decode_nvfp4" in the
+# packaged envelope, from supported_sparse_mla_sm120_configs(kv_cache_format="nvfp4")): window pages of
+# page_block_size entries, index rows of exactly its topks (compiled, not runtime), compressed pages of
+# its extra_page_block_sizes, its head_counts. Its "sparse" route only (what the engines' call
+# reaches): the cake route's own shapes are not planned.
 
 def _forms(ctx: SelectionContext, phase: str, max_tokens: int) -> tuple[str, ...]:
     """Which of FlashInfer's forms the calls of ``phase`` can take (decode: <= max_tokens tokens)."""
@@ -54,7 +50,7 @@ def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.
         return ["reads the DeepSeek-V4 two-cache record only"]
     if ctx.kv_cache_dtype == NVFP4_DSV4:
         return nvfp4_reasons(call.heads_for(phase), call.window_for(phase), call.window_page, call.extra,
-                             call.extra_page)
+                             call.extra_page, table)
     tab = table or flashinfer_table.table()
     decode = tab.decode.get(FAMILY)
     if decode is None:
@@ -82,21 +78,30 @@ def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.
     return reasons
 
 
-def nvfp4_reasons(heads: int, window: int, window_page: int, extra: int, extra_page: int) -> list[str]:
-    """Why FlashInfer's NVFP4 DeepSeek-V4 kernels cannot serve a call (empty: they can)."""
-    reasons = []
-    if heads not in API_HEADS:
-        reasons.append(f"{heads} q heads: its NVFP4 kernels take {list(API_HEADS)}")
-    if window_page != NVFP4_WINDOW_PAGE:
-        reasons.append(f"window pages of {window_page} entries: its NVFP4 kernels read {NVFP4_WINDOW_PAGE}")
-    if window not in NVFP4_TOPKS:
-        reasons.append(f"window rows of {window} slots: its NVFP4 kernels are built for {list(NVFP4_TOPKS)}")
-    if extra and extra not in NVFP4_TOPKS:
-        reasons.append(f"compressed rows of {extra} slots: its NVFP4 kernels are built for {list(NVFP4_TOPKS)}")
-    if extra and extra_page not in NVFP4_EXTRA_PAGES:
-        reasons.append(f"compressed pages of {extra_page} entries: its NVFP4 kernels read {list(NVFP4_EXTRA_PAGES)}")
-    return reasons
+def nvfp4_reasons(heads: int, window: int, window_page: int, extra: int, extra_page: int,
+                  table: flashinfer_table.EnvelopeTable | None = None) -> list[str]:
+    """Why FlashInfer's NVFP4 DeepSeek-V4 kernels cannot serve a call (empty: they can).
 
+    :param table: the envelope facts (the installed version's, else the newest packaged one).
+    """
+    tab = table or flashinfer_table.table()
+    config = tab.decode_nvfp4.get(FAMILY)
+    if config is None:
+        return [f"FlashInfer {tab.flashinfer_version}'s table has no NVFP4 {FAMILY} family"]
+    counts = sorted(config.supported_num_heads())
+    topks, pages = sorted(config.topks), sorted(config.extra_page_block_sizes)
+    reasons = []
+    if heads not in counts:
+        reasons.append(f"{heads} q heads: its NVFP4 kernels take {counts}")
+    if window_page != config.page_block_size:
+        reasons.append(f"window pages of {window_page} entries: its NVFP4 kernels read {config.page_block_size}")
+    if window not in config.topks:
+        reasons.append(f"window rows of {window} slots: its NVFP4 kernels are built for {topks}")
+    if extra and extra not in config.topks:
+        reasons.append(f"compressed rows of {extra} slots: its NVFP4 kernels are built for {topks}")
+    if extra and extra_page not in config.extra_page_block_sizes:
+        reasons.append(f"compressed pages of {extra_page} entries: its NVFP4 kernels read {pages}")
+    return reasons
 
 def probe(device: DeviceInfo) -> tuple[str, ...]:
     """Why the kernels cannot run on this machine (the SM120 module's probe, then the DSv4 entry)."""

@@ -13,7 +13,8 @@ Where the facts come from (``--dump`` reads them all from the installed flashinf
 
 - ``decode``: ``flashinfer.mla.supported_sparse_mla_sm120_configs(kv_cache_format="fp8")``, every
   field of every family, frozensets as sorted lists. That table describes calls of up to
-  ``max_num_tokens`` query tokens (the decode kernels).
+  ``max_num_tokens`` query tokens (the decode kernels). ``decode_nvfp4``: the same call with
+  ``kv_cache_format="nvfp4"`` (the 384-byte DeepSeek-V4 record's kernels).
 - ``prefill``: longer calls run the prefill kernels, whose limits no public API reports:
   ``heads`` from ``visit_prefill_heads`` in
   ``data/include/flashinfer/attention/sparse_mla_sm120/execution/attention_plan.h`` (the
@@ -36,6 +37,7 @@ import functools
 import json
 import re
 import sys
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,6 +54,7 @@ _PREFILL_PLAN_HEADER = "data/include/flashinfer/attention/sparse_mla_sm120/execu
 _SOURCES = {
     "decode": "flashinfer.mla.supported_sparse_mla_sm120_configs(kv_cache_format='fp8'): every field of every "
     "family; sets as sorted lists; describes calls of <= max_num_tokens query tokens",
+    "decode_nvfp4": "the same with kv_cache_format='nvfp4' (the 384-byte DeepSeek-V4 record)",
     "prefill.heads": f"visit_prefill_heads in flashinfer/{_PREFILL_PLAN_HEADER} (calls over max_num_tokens)",
     "prefill.topk_tile": "flashinfer.mla._sparse_mla_sm120._policy._BI: prefill needs topk % topk_tile == 0",
 }
@@ -95,6 +98,8 @@ class EnvelopeTable:
 
     :param flashinfer_version: the version these facts were read from.
     :param decode: family name (``"dsv3_2"``, ``"glm_nsa"``, ...) -> its decode configuration.
+    :param decode_nvfp4: the same for the NVFP4 caches (``"dsv4"``: the 384-byte record); empty for a
+        version whose table was written without them.
     :param prefill_heads: head counts the prefill kernels (calls over ``max_num_tokens``) exist for.
     :param prefill_topk_tile: the prefill kernels need ``topk % prefill_topk_tile == 0``.
     """
@@ -103,6 +108,7 @@ class EnvelopeTable:
     decode: Mapping[str, DecodeConfig]
     prefill_heads: frozenset[int]
     prefill_topk_tile: int
+    decode_nvfp4: Mapping[str, DecodeConfig] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_entry(cls, version: str, entry: Mapping[str, Any]) -> EnvelopeTable:
@@ -111,6 +117,7 @@ class EnvelopeTable:
             decode={family: DecodeConfig.from_entry(cfg) for family, cfg in entry["decode"].items()},
             prefill_heads=frozenset(entry["prefill"]["heads"]),
             prefill_topk_tile=int(entry["prefill"]["topk_tile"]),
+            decode_nvfp4={family: DecodeConfig.from_entry(cfg) for family, cfg in entry.get("decode_nvfp4", {}).items()},
         )
 
 
@@ -214,9 +221,12 @@ def dump_entry() -> tuple[str, dict[str, Any]]:
     import flashinfer.mla as fi_mla
 
     version = installed_version() or flashinfer.__version__
-    configs = fi_mla.supported_sparse_mla_sm120_configs(kv_cache_format="fp8")
-    decode = {family: config_entry(configs[family]) for family in sorted(configs)}
-    return version, {"decode": decode, "prefill": _prefill_facts(Path(flashinfer.__file__).parent)}
+    def families(kv_cache_format: str) -> dict[str, Any]:
+        configs = fi_mla.supported_sparse_mla_sm120_configs(kv_cache_format=kv_cache_format)
+        return {family: config_entry(configs[family]) for family in sorted(configs)}
+
+    return version, {"decode": families("fp8"), "decode_nvfp4": families("nvfp4"),
+                     "prefill": _prefill_facts(Path(flashinfer.__file__).parent)}
 
 
 def _prefill_facts(flashinfer_dir: Path) -> dict[str, Any]:

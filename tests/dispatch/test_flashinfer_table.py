@@ -189,3 +189,35 @@ def test_unknown_source_is_refused():
         fi_binding.envelope_reasons(
             phase="decode", num_heads=8, topk=2048, max_tokens=1, kv_layout=FP8_DS_MLA, scale_format="pow2", source="nope"
         )
+
+
+# ------------------------------------------------------------------ the NVFP4 DeepSeek-V4 family
+
+
+def test_the_nvfp4_dsv4_envelope_is_the_packaged_tables():
+    """The 384-byte record's kernels are planned from the table (``decode_nvfp4``), not from constants:
+    every packaged version has the family, and a shape the table widens or a table without it changes
+    the reasons."""
+    from mla_sm120_plugin.dispatch.flashinfer_dsv4 import nvfp4_reasons
+
+    for version in flashinfer_table.packaged_versions():
+        table = flashinfer_table.EnvelopeTable.from_entry(version, flashinfer_table.packaged_entries()[version])
+        config = table.decode_nvfp4["dsv4"]
+        assert (config.kv_cache_format, config.bytes_per_token, config.page_block_size) == ("nvfp4", 384, 64)
+        assert nvfp4_reasons(16, 128, 64, 512, 64, table) == []
+        wider = dataclasses.replace(config, topks=frozenset({128, 512, 1024}))
+        assert nvfp4_reasons(16, 128, 64, 1024, 64, dataclasses.replace(table, decode_nvfp4={"dsv4": wider})) == []
+        assert nvfp4_reasons(16, 128, 64, 1024, 64, table) == [
+            "compressed rows of 1024 slots: its NVFP4 kernels are built for [128, 512]"]
+        assert nvfp4_reasons(16, 128, 64, 0, 0, dataclasses.replace(table, decode_nvfp4={})) == [
+            f"FlashInfer {version}'s table has no NVFP4 dsv4 family"]
+
+
+def test_a_family_the_reader_does_not_know_is_read_and_left_alone():
+    """A newer FlashInfer's table may list families no planner asks for (0.7.4's dsv4_1_inline)."""
+    entry = json.loads(json.dumps(flashinfer_table.packaged_entries()[PACKAGED_VERSION]))
+    entry["decode"]["dsv4_1_inline"] = {**entry["decode"]["dsv4"], "kv_cache_format": "fp8_dsv41_inline",
+                                        "a_field_of_a_later_release": 1}
+    table = flashinfer_table.EnvelopeTable.from_entry("9.9", entry)
+    assert table.decode["dsv4_1_inline"].kv_cache_format == "fp8_dsv41_inline"
+    assert table.decode["dsv4"] == flashinfer_table.table().decode["dsv4"]
