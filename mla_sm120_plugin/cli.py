@@ -14,6 +14,7 @@ import platform
 import sys
 from typing import Any, Sequence
 
+from . import envs
 from .errors import MlaSm120Error
 from .files import printable
 
@@ -242,7 +243,7 @@ def _doctor(args: argparse.Namespace) -> int:
             timing += f" (SLOW: over {SLOW_IMPORT_S} s, paid by every check and engine process)"
         out(f"  {name:<22} {label}{timing}")
     for name in report["blocked_plugins"]:
-        out(f"  {name:<22} BLOCKED by MLA_SM120_DISABLE_PLUGINS")
+        out(f"  {name:<22} BLOCKED by {envs.DISABLE_PLUGINS}")
     out("model profiles:")
     for p in report["model_profiles"]:
         out(f"  {p['name']:<16} {', '.join(p['architectures'])}  [{p['provider']}]")
@@ -376,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--decode-kernel", help="force a decode kernel (auto or a kernel name)")
     check.add_argument("--precision", choices=("fast", "exact"),
                        help="fast (default): kernels with fp8 q/p MMAs may serve; exact: only bf16/fp32 operands")
-    check.add_argument("--config", help="plugin config TOML (else MLA_SM120_CONFIG)")
+    check.add_argument("--config", help=f"plugin config TOML (else {envs.CONFIG})")
     check.add_argument("--max-decode-tokens", type=_positive_int,
                        help=f"most tokens a decode call sees (vLLM: {VLLM.decode_bound}; SGLang: {SGLANG.decode_bound}); "
                             "<= 64 lets FlashInfer's decode kernel take few heads per GPU")

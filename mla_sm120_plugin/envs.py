@@ -51,3 +51,14 @@ VARIABLES = (
     Variable(SGLANG_PLAN, "set by the plugin", "the SGLang launcher's plan (each layer kind's selection context) for "
              "its scheduler processes", user=False),
 )
+
+
+def markdown_table() -> str:
+    """The user-facing variables as README's settings table (``python -m mla_sm120_plugin.envs``)."""
+    rows = ["| variable | values | what it does |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.values} | {v.effect} |" for v in VARIABLES if v.user]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(markdown_table())

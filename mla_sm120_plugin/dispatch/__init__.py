@@ -7,8 +7,10 @@
 - :mod:`.forward`: the public ``sparse_mla_forward(kernel="auto")``, which validates every input once;
 - :mod:`.flashinfer` and :mod:`.flashinfer_table`: FlashInfer's native SM120/SM121 kernel bound to
   the plugin's contract, and its envelope packaged per FlashInfer version
-  (``flashinfer_envelope.json``);
-- :mod:`.selfcheck`: each bound kernel proven against the reference at engine init.
+  (``flashinfer_envelope.json``); :mod:`.flashinfer_dsv4`: its DeepSeek-V4 kernels' envelope and probe;
+- :mod:`.dsv4`: the plugin's DeepSeek-V4 kernels on FlashInfer's SM120 call surface (the engines' call);
+- :mod:`.selfcheck`: each bound kernel proven against float64 at engine init, one runner for every
+  family, with a case module per family (:mod:`.selfcheck_dsa`, :mod:`.selfcheck_dsv4`).
 
 Imports point down only: these modules import :mod:`mla_sm120_plugin.kernels`, never the reverse.
 Importing this package imports nothing heavy.

@@ -1,1 +1,2 @@
-"""Engine integrations. Each subpackage adapts the plugin to one engine's internals."""
+"""Engine integrations, one subpackage an engine, each with the same rooms: :mod:`.vllm` (vLLM 0.33,
+the ``vllm.general_plugins`` entry point) and :mod:`.sglang` (SGLang 0.5.23, ``sglang.srt.plugins``)."""

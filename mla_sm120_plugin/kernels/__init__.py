@@ -12,7 +12,8 @@
 - :mod:`.shared`: what both families use, beside them (neither family imports the other): the
   launch record and the Triton numerics helpers (:mod:`.shared.triton`), the number formats in torch
   (:mod:`.shared.formats`), pure host helpers (:mod:`.shared.host`). The DSA kernels' own shared
-  parts are :mod:`.dsa.triton_parts`. Design notes and measurements: docs/kernels.md; the external
+  parts are :mod:`.dsa.triton_parts`. :mod:`.accuracy`: the metrics every kernel is measured and
+  bounded in (cos_diff, relRMS, max error against float64). Design notes and measurements: docs/kernels.md; the external
   facts the code relies on: docs/facts.md.
 
 A module here knows nothing of the plugin: it imports no hook, registry, selection, config, engine

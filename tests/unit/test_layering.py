@@ -11,6 +11,7 @@ Read from the source (``ast``), so an import inside a function counts as much as
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,16 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
                      "mla_sm120_plugin.selection", "mla_sm120_plugin.dispatch.binding"}, found
     assert sorted(m for m in found if not _allowed(m)) == ["mla_sm120_plugin.dispatch.binding",
                                                             "mla_sm120_plugin.selection"]
+
+
+PACKAGES = sorted(p.parent for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_package_map_names_every_module_it_holds(package):
+    """Each package's docstring is its map: a module it does not name is a room nobody finds."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    held = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    held += sorted(p.name for p in package.iterdir() if (p / "__init__.py").exists())
+    unnamed = [name for name in held if not re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", doc)]
+    assert not unnamed, f"{package.relative_to(PACKAGE)}/__init__.py does not name {unnamed}"

@@ -2,6 +2,7 @@
 cache, each with its own slots, lengths and page size), a learned sink logit per head, q = K = V =
 the whole 512-wide row.
 
-The record, to the byte, is :mod:`.layout`; packing and dequantization :mod:`.pack`; the torch
-reference :mod:`.reference`. Importing this package imports neither torch nor triton.
+The records, to the byte, are :mod:`.layout`; packing and dequantization :mod:`.pack`; the torch
+reference :mod:`.reference`; the Triton kernel :mod:`.triton`; the NVFP4 record's writers
+:mod:`.nvfp4_writer`. Importing this package imports neither torch nor triton.
 """
