@@ -229,10 +229,11 @@ SGLANG = Engine(
         decode_pad_default=64,
         own_path={9: "--attention-backend dsv4 (FlashMLA)", 10: "--attention-backend dsv4 (FlashMLA / TRT-LLM)",
                   12: "flash_mla_with_kvcache_sm120 (FlashInfer's SM120 kernels, SGLANG_SM120_FLASHMLA_BACKEND)"},
-        opt_in=("SGLang 0.5.23 forces --attention-backend dsv4 and page 256 for DeepSeek-V4 and calls "
-                "flash_mla_with_kvcache_sm120 on SM12x; --mla-sm120 plans and refuses at launch, and each scheduler "
-                "binds and self-checks the kernels named here and runs them in that call for their (layer kind, "
-                "phase): SGLang's own FlashInfer call, or the plugin's Triton kernel on the same arguments"),
+        opt_in=("SGLang: --mla-sm120 plans and refuses at launch (after SGLang forces --attention-backend dsv4 and "
+                "256-token pages); each scheduler binds the kernels named here and self-checks them when SGLang builds "
+                "its DeepSeek-V4 backend, and routes every flash_mla_with_kvcache_sm120 call to the kernel for its "
+                "(layer kind, phase): SGLang's own FlashInfer call, or the plugin's Triton kernel on the same "
+                "arguments; without it SGLang runs its own path"),
     ),
     native_backends={
         9: "--dsa-*-backend flashmla_sparse / flashmla_kv",
