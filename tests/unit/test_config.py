@@ -1,20 +1,29 @@
-"""Plugin config: sources, per-model matching, and errors that name file, key and choices."""
+"""Plugin config: sources, per-model matching, and errors that name file, key and choices.
+
+The documented precedence is pinned from both sides (the sections from "within one source" on):
+each test names the promise it pins (README "Plugin config", the docstrings of
+``mla_sm120_plugin/config.py``), and a precedence test sets BOTH sources (or sections) to different
+values, so a swapped order fails.
+"""
 
 from __future__ import annotations
 
 import string
 
 import pytest
+from helpers import assert_three_parts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_sm120_plugin import cli
 from mla_sm120_plugin.config import CONFIG_ENV, load_config
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS, FLASHINFER, TORCH, TRITON
 from mla_sm120_plugin.errors import ConfigError
-from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS
 from mla_sm120_plugin.types import ENGINE_NATIVE_IMPLS
 
 KERNELS = BUILTIN_KERNELS
-GLM = ("zai-org/GLM-5-FP8", "GlmMoeDsaForCausalLM")
+GLM_NAME, GLM_ARCH = "zai-org/GLM-5-FP8", "GlmMoeDsaForCausalLM"
+GLM = (GLM_NAME, GLM_ARCH)
 DSV = ("deepseek-ai/DeepSeek-V3.2", "DeepseekV32ForCausalLM")
 
 
@@ -232,3 +241,161 @@ def test_forced_by_names_each_forced_kernel_and_its_source(tmp_path):
     # "auto" forces nothing, wherever it is written
     auto = load_config({"decode_kernel": "auto"}, kernel_names=KERNELS, env={})
     assert auto.for_model(*GLM).forced_by() == "config"
+
+
+# --- within one source: exact name > glob > architecture > top level -------------------------------
+
+# Where a section sits, as TOML text and as the inline dict's shape.
+SECTIONS = {
+    "top": (None, None),
+    "arch": ("architectures", GLM_ARCH),
+    "glob": ("models", "zai-org/*"),
+    "exact": ("models", GLM_NAME),
+}
+STRENGTH = ["top", "arch", "glob", "exact"]  # README "Plugin config": exact name, then glob, then architecture
+PAIRS = [(weak, strong) for i, weak in enumerate(STRENGTH) for strong in STRENGTH[i + 1:]]
+
+
+def _source(kinds_values: list[tuple[str, str]], form: str, tmp_path):
+    """A config with ``decode_kernel`` set in each (section kind, value), in that order, as a TOML
+    file (returned as env) or an inline dict."""
+    data: dict = {}
+    for kind, value in kinds_values:
+        table, name = SECTIONS[kind]
+        if table is None:
+            data["decode_kernel"] = value
+        else:
+            data.setdefault(table, {})[name] = {"decode_kernel": value}
+    if form == "inline":
+        return data, {}
+    lines = [f'decode_kernel = "{data["decode_kernel"]}"'] if "decode_kernel" in data else []
+    for table in ("models", "architectures"):
+        for name, section in data.get(table, {}).items():
+            lines += [f'[{table}."{name}"]', f'decode_kernel = "{section["decode_kernel"]}"']
+    return None, {CONFIG_ENV: _write(tmp_path, "\n".join(lines) + "\n")}
+
+
+@pytest.mark.parametrize("form", ["file", "inline"])
+@pytest.mark.parametrize("weak, strong", PAIRS)
+@pytest.mark.parametrize("strong_first", [False, True], ids=["weak-written-first", "strong-written-first"])
+def test_within_one_source_the_more_specific_section_wins(tmp_path, form, weak, strong, strong_first):
+    """README "Plugin config": "Per-model sections are matched by exact model name, then glob, then
+    architecture" (config.py: "a model section beats an architecture section beats the top level"),
+    in a TOML file and in the inline dict alike, whatever order they are written in."""
+    order = [(strong, TRITON), (weak, TORCH)] if strong_first else [(weak, TORCH), (strong, TRITON)]
+    inline, env = _source(order, form, tmp_path)
+    settings = load_config(inline, kernel_names=BUILTIN_KERNELS, env=env).for_model(GLM_NAME, GLM_ARCH)
+    assert settings.decode_kernel == TRITON
+    table, name = SECTIONS[strong]
+    label = env[CONFIG_ENV] if env else "--additional-config mla_sm120"
+    section = "" if table is None else f" [{table}.{name if table == 'architectures' else repr(name)}]"
+    assert settings.origin("decode_kernel") == label + section
+
+
+@pytest.mark.parametrize("form", ["file", "inline"])
+def test_sections_for_another_model_or_architecture_do_not_apply(tmp_path, form):
+    """config.py: sections match the served model name (exact or fnmatch glob, case-sensitive) or the
+    HF architecture; a near miss falls through to the top level."""
+    data = {"decode_kernel": TORCH,
+            "models": {"zai-org/GLM-5": {"decode_kernel": TRITON}, "zai-org/glm-*": {"decode_kernel": TRITON}},
+            "architectures": {"DeepseekV32ForCausalLM": {"decode_kernel": TRITON}}}
+    if form == "inline":
+        inline, env = data, {}
+    else:
+        inline, env = None, {CONFIG_ENV: _write(tmp_path, f'decode_kernel = "{TORCH}"\n'
+                                                          f'[models."zai-org/GLM-5"]\ndecode_kernel = "{TRITON}"\n'
+                                                          f'[models."zai-org/glm-*"]\ndecode_kernel = "{TRITON}"\n'
+                                                          f'[architectures.DeepseekV32ForCausalLM]\n'
+                                                          f'decode_kernel = "{TRITON}"\n')}
+    settings = load_config(inline, kernel_names=BUILTIN_KERNELS, env=env).for_model(GLM_NAME, GLM_ARCH)
+    assert settings.decode_kernel == TORCH
+    # And with no model name or architecture known, only the top level applies.
+    assert load_config(inline, kernel_names=BUILTIN_KERNELS, env=env).for_model(None, None).decode_kernel == TORCH
+
+
+@pytest.mark.parametrize("first, second", [("zai-org/*", "*GLM-5*"), ("*GLM-5*", "zai-org/*")])
+def test_of_two_matching_globs_the_first_in_file_order_wins(tmp_path, first, second):
+    """config.py docstring: ``[models."deepseek-ai/*"]`` is "an fnmatch glob (first match in file order)"."""
+    path = _write(tmp_path, f'[models."{first}"]\ndecode_kernel = "{TRITON}"\n'
+                            f'[models."{second}"]\ndecode_kernel = "{TORCH}"\n')
+    settings = load_config(None, kernel_names=BUILTIN_KERNELS, env={CONFIG_ENV: path}).for_model(GLM_NAME, GLM_ARCH)
+    assert settings.decode_kernel == TRITON and repr(first) in settings.origin("decode_kernel")
+
+
+def test_sections_merge_key_by_key(tmp_path):
+    """config.py: each key comes from the strongest section that sets it; a stronger section that
+    does not set a key leaves the weaker section's value in place."""
+    path = _write(tmp_path, f'kv_scale_format = "pow2"\n[architectures.{GLM_ARCH}]\nprefill_kernel = "{TORCH}"\n'
+                            f'[models."{GLM_NAME}"]\ndecode_kernel = "{TRITON}"\n')
+    s = load_config(None, kernel_names=BUILTIN_KERNELS, env={CONFIG_ENV: path}).for_model(GLM_NAME, GLM_ARCH)
+    assert (s.prefill_kernel, s.decode_kernel, s.kv_scale_format) == (TORCH, TRITON, "pow2")
+    assert s.origin("kv_scale_format") == path
+
+
+def test_an_exact_section_written_before_a_glob_still_leaves_the_globs_other_keys(tmp_path):
+    """config.py: an exact section and a glob both match; the exact one wins the keys it sets, the
+    glob still supplies the rest (file order decides only between globs). A name with no glob
+    character is never taken for a glob."""
+    name = "acme/MODEL-X"
+    path = _write(tmp_path, f'[models."{name}"]\ndecode_kernel = "{TRITON}"\n'
+                            f'[models."acme/*"]\ndecode_kernel = "{TORCH}"\nkv_scale_format = "pow2"\n')
+    s = load_config(None, kernel_names=BUILTIN_KERNELS, env={CONFIG_ENV: path}).for_model(name, GLM_ARCH)
+    assert (s.decode_kernel, s.kv_scale_format) == (TRITON, "pow2")
+    assert s.origin("kv_scale_format") == f"{path} [models.'acme/*']"
+
+
+# --- between sources: inline > its config_file > MLA_SM120_CONFIG > defaults ------------------------
+
+
+def test_inline_beats_its_config_file_which_replaces_the_environment_file(tmp_path):
+    """config.py: "Strongest first: the inline dict, the file it names (else the one MLA_SM120_CONFIG
+    names), then defaults"; each pair with both sides set."""
+    env_file = _write(tmp_path, f'prefill_kernel = "{TORCH}"\ndecode_kernel = "{TORCH}"\nkv_scale_format = "pow2"\n',
+                      "env.toml")
+    named = _write(tmp_path, f'prefill_kernel = "{TRITON}"\ndecode_kernel = "{TRITON}"\n', "named.toml")
+    env = {CONFIG_ENV: env_file}
+    # MLA_SM120_CONFIG alone applies ...
+    assert load_config(None, kernel_names=BUILTIN_KERNELS, env=env).for_model(GLM_NAME, GLM_ARCH).prefill_kernel == TORCH
+    # ... the inline dict beats it ...
+    s = load_config({"prefill_kernel": FLASHINFER}, kernel_names=BUILTIN_KERNELS, env=env).for_model(GLM_NAME, GLM_ARCH)
+    assert (s.prefill_kernel, s.decode_kernel) == (FLASHINFER, TORCH)
+    # ... the file named inline replaces it (its kv_scale_format is not read at all) ...
+    s = load_config({"config_file": named}, kernel_names=BUILTIN_KERNELS, env=env).for_model(GLM_NAME, GLM_ARCH)
+    assert (s.prefill_kernel, s.decode_kernel, s.kv_scale_format) == (TRITON, TRITON, "auto")
+    assert s.origin("decode_kernel") == named
+    # ... and the inline keys beat the file they name.
+    s = load_config({"config_file": named, "decode_kernel": FLASHINFER}, kernel_names=BUILTIN_KERNELS,
+                    env=env).for_model(GLM_NAME, GLM_ARCH)
+    assert (s.prefill_kernel, s.decode_kernel) == (TRITON, FLASHINFER)
+    assert "mla_sm120" in s.origin("decode_kernel") and s.origin("prefill_kernel") == named
+
+
+def test_inline_top_level_beats_a_files_exact_model_section(tmp_path):
+    """config.py: sources are ordered first, sections within a source: the inline top level beats
+    the file's ``[models."<exact name>"]``."""
+    path = _write(tmp_path, f'[models."{GLM_NAME}"]\ndecode_kernel = "{TORCH}"\n')
+    s = load_config({"decode_kernel": TRITON}, kernel_names=BUILTIN_KERNELS,
+                    env={CONFIG_ENV: path}).for_model(GLM_NAME, GLM_ARCH)
+    assert s.decode_kernel == TRITON
+
+
+def test_a_bad_value_in_the_weaker_source_still_fails_the_whole_config(tmp_path):
+    """README: "nothing applies partially": a valid inline dict does not hide a broken file."""
+    path = _write(tmp_path, 'decode_kernel = "not_a_kernel"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config({"decode_kernel": TRITON}, kernel_names=BUILTIN_KERNELS, env={CONFIG_ENV: path})
+    assert_three_parts(str(err.value), path)
+    assert "not_a_kernel" in str(err.value) and TRITON in str(err.value)
+
+
+# --- where a forced kernel came from, as refusals name it ------------------------------------------
+
+
+def test_a_refusal_names_the_source_of_each_forced_kernel_in_phase_order(capsys):
+    """config.Settings.forced_by: every forced kernel "from" its source, prefill then decode."""
+    assert cli.main(["check", "--model", "glm-5", "--sm", "12.0", "--prefill-kernel", "flashmla_kv",
+                     "--decode-kernel", "trtllm"]) == cli.EXIT_UNSERVABLE
+    err = capsys.readouterr().err
+    assert "(prefill_kernel from command-line flags, decode_kernel from command-line flags)" in err
+    assert "fix: remove the kernel override (prefill_kernel from command-line flags, decode_kernel from " \
+           "command-line flags) or set it to one listed as able to run" in err

@@ -27,12 +27,6 @@ GLM = {"architectures": [GLM_ARCH], "num_attention_heads": 64, "index_topk": 204
 HUGE = "9" * 5000
 
 
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    for var in (CONFIG_ENV, "MLA_SM120_DEVICE"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _model_dir(tmp_path, text: str):
     d = tmp_path / "model"
     d.mkdir(exist_ok=True)

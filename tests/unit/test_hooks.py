@@ -1,4 +1,5 @@
-"""The plugin manager: built-ins and a pip-installed third-party plugin, loaded alike."""
+"""The hooks (``hooks/manager.py``, ``hooks/specs.py``): built-ins and a pip-installed third-party
+plugin, loaded alike, and each hook spec typed, documented and asked as documented."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import pytest
 from mla_sm120_plugin.errors import PluginError
 from mla_sm120_plugin.hooks import hookimpl
 from mla_sm120_plugin.hooks.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_registry
-from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS
+from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS, TORCH
 from mla_sm120_plugin.types import KernelSpec, ModelProfile
 
 from helpers import DEMO_BROKEN as BROKEN
 from helpers import DEMO_FAULTY_HOOKS as FAULTY_HOOKS
 from helpers import demo_plugins_except as _block_except
 from helpers import run_cli
+from unit_helpers import _edge_ctx
 
 
 def test_builtins_register_through_the_hooks():
@@ -183,3 +185,24 @@ def test_every_hookspec_is_typed_and_documented():
             assert sig.parameters[param].annotation is not inspect.Parameter.empty, (name, param)
         firstresult = fn.mla_sm120_spec["firstresult"]
         assert ("Stops at the first non-None result" in doc) == firstresult, name
+
+
+# --- a hook as its spec documents it ------------------------------------------------------------------
+
+
+def test_a_select_hook_sees_the_context_and_the_phase():
+    """hooks/specs.py ``mla_sm120_select(ctx, phase, candidates)``: the policy override is asked with
+    the real context and phase."""
+    from mla_sm120_plugin.hooks import hookimpl
+    from mla_sm120_plugin.hooks.manager import build_registry
+    from mla_sm120_plugin.selection import select
+
+    class TorchDecodesAt16Heads:
+        @hookimpl
+        def mla_sm120_select(self, ctx, phase, candidates):
+            return TORCH if phase == "decode" and ctx.num_heads == 16 and TORCH in candidates else None
+
+    reg = build_registry(load_entry_points=False, extra_plugins={"torch16": TorchDecodesAt16Heads()})
+    d = select(_edge_ctx(heads=16, cuda_graphs=False), registry=reg)
+    assert d.decode == TORCH and d.prefill != TORCH
+    assert select(_edge_ctx(heads=32, cuda_graphs=False), registry=reg).decode != TORCH
