@@ -16,14 +16,15 @@ pytest.importorskip("sglang.srt", reason="the SGLang suite runs in its own envir
 
 import torch  # noqa: E402
 
-from mla_sm120_plugin.integration import sglang as plugin  # noqa: E402
+from mla_sm120_plugin.integration import sglang as plugin  # noqa: E402,F401
+from mla_sm120_plugin.integration.sglang import names  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _plugins_loaded():
     """SGLang's loader, run once as every SGLang process runs it, with the plugin enabled so its
     engine hooks are registered and applied; tests switch the opt-in off to see SGLang alone."""
-    os.environ[plugin.ENABLE_ENV] = "1"
+    os.environ[names.ENABLE_ENV] = "1"
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -33,15 +34,17 @@ def _plugins_loaded():
 @pytest.fixture(autouse=True)
 def _fresh_sglang_state(monkeypatch):
     from mla_sm120_plugin.context import clear_config_cache
-    from mla_sm120_plugin.integration.sglang import hooks
+    from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 
-    monkeypatch.setenv(plugin.ENABLE_ENV, "1")
-    for name in (hooks.CONTEXT_ENV, hooks.DSV4_PLAN_ENV, plugin.INLINE_CONFIG_ENV, "MLA_SM120_CONFIG"):
+    monkeypatch.setenv(names.ENABLE_ENV, "1")
+    for name in (names.PLAN_ENV, names.INLINE_CONFIG_ENV, "MLA_SM120_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     clear_config_cache()
-    hooks.reset_for_tests()
+    dsa.reset_for_tests()
+    dsv4.reset_for_tests()
     yield
-    hooks.reset_for_tests()
+    dsa.reset_for_tests()
+    dsv4.reset_for_tests()
     clear_config_cache()
 
 

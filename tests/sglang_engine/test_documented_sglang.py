@@ -1,6 +1,6 @@
 """Documented SGLang behaviour pinned from both sides, with SGLang 0.5.23's own objects on the CPU.
 
-- Config precedence (README "Use with SGLang", "Plugin config"; hooks.context_from_sglang):
+- Config precedence (README "Use with SGLang", "Plugin config"; translate.contexts_from_sglang):
   ``--dsa-prefill-backend`` / ``--dsa-decode-backend`` and ``--mla-sm120-config`` (exported as
   ``MLA_SM120_SGLANG_CONFIG``) form the inline source, stronger than the TOML file
   (``config_file`` in the JSON, else ``MLA_SM120_CONFIG``); within it exact model name > glob >
@@ -31,11 +31,11 @@ from sglang.srt.server_args import ServerArgs
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 from mla_sm120_plugin.types import DECODE, PREFILL
 
-INLINE = f"{plugin.FLAG}-config / --dsa-*-backend"
+INLINE = f"{names.FLAG}-config / --dsa-*-backend"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def _view(model: str, **kw):
 def _ctx(model: str, **kw):
     """The context the launcher's hook builds for these ServerArgs on an SM120 GPU."""
     _, view = _view(model, **kw)
-    return hooks.context_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 0))
+    return translate.contexts_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 0))[dsa.KIND]
 
 
 def _toml(tmp_path, name: str, text: str) -> str:
@@ -68,7 +68,7 @@ def test_mla_sm120_config_beats_mla_sm120_config_env_file(tmp_path, monkeypatch,
     named by ``MLA_SM120_CONFIG``; keys it does not set come from the file."""
     monkeypatch.setenv(CONFIG_ENV, _toml(tmp_path, "env.toml", f'prefill_kernel = "{TORCH}"\ndecode_kernel = "{TORCH}"\n'))
     assert (_ctx(glm).prefill_kernel, _ctx(glm).decode_kernel) == (TORCH, TORCH)
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps({"decode_kernel": TRITON}))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps({"decode_kernel": TRITON}))
     ctx = _ctx(glm)
     assert (ctx.prefill_kernel, ctx.decode_kernel) == (TORCH, TRITON)
     assert f"decode_kernel from {INLINE}" in ctx.forced_by
@@ -78,7 +78,7 @@ def test_dsa_backend_flags_beat_the_json_top_level_and_the_file(tmp_path, monkey
     """README: "--dsa-prefill-backend / --dsa-decode-backend name a kernel per phase": they beat the
     same key at the top level of ``--mla-sm120-config`` and in the TOML file."""
     monkeypatch.setenv(CONFIG_ENV, _toml(tmp_path, "env.toml", f'prefill_kernel = "{TORCH}"\n'))
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps({"decode_kernel": TORCH}))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps({"decode_kernel": TORCH}))
     ctx = _ctx(glm, dsa_prefill_backend=TRITON, dsa_decode_backend=FLASHINFER)
     assert (ctx.prefill_kernel, ctx.decode_kernel) == (TRITON, FLASHINFER)
     assert ctx.forced_by == f"prefill_kernel from {INLINE}, decode_kernel from {INLINE}"
@@ -89,14 +89,14 @@ def test_config_file_in_the_json_replaces_mla_sm120_config(tmp_path, monkeypatch
     MLA_SM120_CONFIG names": the environment's file does not fill in keys."""
     monkeypatch.setenv(CONFIG_ENV, _toml(tmp_path, "env.toml", f'prefill_kernel = "{TORCH}"\n'))
     named = _toml(tmp_path, "named.toml", f'decode_kernel = "{TRITON}"\n')
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps({"config_file": named}))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps({"config_file": named}))
     ctx = _ctx(glm)
     assert (ctx.prefill_kernel, ctx.decode_kernel) == ("auto", TRITON)
     assert ctx.forced_by == f"decode_kernel from {named}"
     # The JSON's own keys, and the --dsa-*-backend flags, beat the file the JSON names.
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps({"config_file": named, "decode_kernel": TORCH}))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps({"config_file": named, "decode_kernel": TORCH}))
     assert _ctx(glm).decode_kernel == TORCH
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps({"config_file": named}))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps({"config_file": named}))
     assert _ctx(glm, dsa_decode_backend=FLASHINFER).decode_kernel == FLASHINFER
 
 
@@ -105,18 +105,18 @@ def test_flags_through_sglangs_own_parser_reach_the_decision(tmp_path, capabilit
     plugin's flags), then resolved by the launcher's hooked pass: the winner is decided with."""
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, "{}")  # restored after the test; the flag overwrites it
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, "{}")  # restored after the test; the flag overwrites it
     monkeypatch.setenv(CONFIG_ENV, _toml(tmp_path, "env.toml", f'decode_kernel = "{TRITON}"\n'))
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     # (SGLang's parser takes triton_sparse_mla for --dsa-prefill-backend only: its decode choices lack it.)
     args = parser.parse_args(["--model-path", glm, "--skip-tokenizer-init", "--kv-cache-dtype", "bfloat16",
-                              "--disable-cuda-graph", plugin.CONFIG_FLAG,
+                              "--disable-cuda-graph", names.CONFIG_FLAG,
                               json.dumps({"prefill_kernel": TORCH, "decode_kernel": TORCH}),
                               "--dsa-prefill-backend", TRITON])
     sa = ServerArgs.from_cli_args(args)
     overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
-    ctx = context_from_json(os.environ[hooks.CONTEXT_ENV])
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
     assert (ctx.prefill_kernel, ctx.decode_kernel) == (TRITON, TORCH)
 
 
@@ -128,15 +128,15 @@ def test_flags_through_sglangs_own_parser_reach_the_decision(tmp_path, capabilit
 ], ids="+".join)
 def test_within_mla_sm120_config_the_most_specific_section_wins(monkeypatch, glm, kinds):
     """README "Plugin config": exact model name, then glob, then architecture, then the top level."""
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps(config_with_sections(glm, kinds, TRITON, TORCH)))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps(config_with_sections(glm, kinds, TRITON, TORCH)))
     assert _ctx(glm).decode_kernel == TRITON
 
 
 def test_sections_match_the_served_model_name(monkeypatch, glm):
-    """hooks.context_from_sglang: the model's name is ``--served-model-name`` when given, else
+    """translate.contexts_from_sglang: the model's name is ``--served-model-name`` when given, else
     ``--model-path``; sections are matched against it."""
     config = {"models": {"my-glm": {"decode_kernel": TRITON}, glm: {"decode_kernel": TORCH}}}
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, json.dumps(config))
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps(config))
     assert _ctx(glm, served_model_name="my-glm").decode_kernel == TRITON
     assert _ctx(glm).decode_kernel == TORCH
 
@@ -150,19 +150,19 @@ def test_draft_tokens_count_in_the_decode_bound(glm):
     sa, view = _view(glm, max_running_requests=16, speculative_algorithm="EAGLE", speculative_num_steps=3,
                      speculative_eagle_topk=1, speculative_num_draft_tokens=4)
     hf = overrides.model_config_of(view).hf_config
-    assert hooks.engine_limits(view, hf).max_decode_tokens == 16 * 4
+    assert translate.engine_limits(view, hf).max_decode_tokens == 16 * 4
     # SGLang's own speculative pass keeps these numbers (top-k 1: draft tokens = steps + 1 = 4).
     speculative_hook._handle_eagle_family(sa)
     final = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert (final.max_running_requests, final.speculative_num_draft_tokens) == (16, 4)
     _, view = _view(glm, max_running_requests=16, speculative_algorithm="EAGLE", speculative_num_steps=3,
                     speculative_eagle_topk=4, speculative_num_draft_tokens=8)
-    assert hooks.engine_limits(view, hf).max_decode_tokens == 16 * 8
+    assert translate.engine_limits(view, hf).max_decode_tokens == 16 * 8
     # Without speculation one token a request; without --max-running-requests, unbounded.
     _, view = _view(glm, max_running_requests=16)
-    assert hooks.engine_limits(view, hf).max_decode_tokens == 16
+    assert translate.engine_limits(view, hf).max_decode_tokens == 16
     _, view = _view(glm)
-    assert hooks.engine_limits(view, hf).max_decode_tokens is None
+    assert translate.engine_limits(view, hf).max_decode_tokens is None
 
 
 @pytest.mark.parametrize("spec", [
@@ -177,20 +177,20 @@ def test_the_decode_bound_covers_the_draft_tokens_sglang_resolves(glm, capabilit
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sa, _ = _view(glm, max_running_requests=16, **spec)
     overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)  # the launcher's decision
-    decided = context_from_json(os.environ[hooks.CONTEXT_ENV]).max_decode_tokens
+    decided = translate.imported("plan", "a test")[dsa.KIND].max_decode_tokens
     speculative_hook._handle_eagle_family(sa)  # SGLang's own pass, later in the same pipeline
     final = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert decided >= final.max_running_requests * final.speculative_num_draft_tokens
 
 
 def test_resolving_the_draft_tokens_leaves_the_users_record_the_environment_and_the_log_alone(glm, caplog):
-    """hooks._speculative_decode_bound runs SGLang's speculative pass on a copy: the record keeps its
+    """translate._speculative_decode_bound runs SGLang's speculative pass on a copy: the record keeps its
     declarations (SGLang's own pass still runs on it), the environment is unchanged and SGLang's
     warnings ("Max running requests is reset to 48") are not logged twice."""
     sa, view = _view(glm, speculative_algorithm="EAGLE")
     stash, env = list(getattr(sa, "_resolved_overrides", None) or ()), dict(os.environ)
     with caplog.at_level("DEBUG"):
-        limits = hooks.engine_limits(view, overrides.model_config_of(view).hf_config)
+        limits = translate.engine_limits(view, overrides.model_config_of(view).hf_config)
     assert limits.max_decode_tokens == 48 * 4  # SGLang's defaults: 48 running requests, (3, 1, 4)
     assert list(getattr(sa, "_resolved_overrides", None) or ()) == stash and dict(os.environ) == env
     assert not [r for r in caplog.records if r.name.startswith("sglang")]
@@ -199,11 +199,11 @@ def test_resolving_the_draft_tokens_leaves_the_users_record_the_environment_and_
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "MY_SPEC"])
 def test_a_speculative_algorithm_the_plugin_does_not_know_leaves_the_decode_calls_unbounded(glm, algorithm):
-    """hooks._RESOLVED_FAMILIES: the draft tokens of an algorithm outside SGLang's EAGLE / NGRAM
+    """translate._RESOLVED_FAMILIES: the draft tokens of an algorithm outside SGLang's EAGLE / NGRAM
     families (one SGLang has, or a name only a plugin could register) are not known before SGLang
     runs: no bound (None), so token-bounded kernels refuse with a reason instead of overrunning."""
     _, view = _view(glm, max_running_requests=16, speculative_algorithm=algorithm, speculative_num_draft_tokens=4)
-    assert hooks.engine_limits(view, overrides.model_config_of(view).hf_config).max_decode_tokens is None
+    assert translate.engine_limits(view, overrides.model_config_of(view).hf_config).max_decode_tokens is None
 
 
 # --- phase routing, every ForwardMode -------------------------------------------------------------------
@@ -221,7 +221,7 @@ def _backend(seen: list) -> DeepseekSparseAttnBackend:
     backend.forward_metadata = None
 
     def resolve_kpool_tail_backend(topk_indices, impl):
-        seen.append((impl, hooks._phase.get()))
+        seen.append((impl, dsa._phase.get()))
         raise _Reached
 
     backend._resolve_kpool_tail_backend = resolve_kpool_tail_backend
@@ -252,7 +252,7 @@ def test_each_forward_mode_gets_the_kernel_of_the_impl_sglang_picks(mode):
         assert plugin_phase == expected
     else:
         assert mode == ForwardMode.IDLE and seen == [] and result.shape == (3, 4 * 512)
-    assert hooks._phase.get() is None  # the phase does not leak past the call
+    assert dsa._phase.get() is None  # the phase does not leak past the call
 
 
 @pytest.mark.parametrize("mode, phase", [(ForwardMode.TARGET_VERIFY, DECODE), (ForwardMode.EXTEND, PREFILL)])

@@ -19,7 +19,7 @@ import torch
 from layout_oracle import dsv4_oracle_attention
 from test_dsv4_launch import _launch, _model
 
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
 
@@ -80,7 +80,7 @@ def test_the_plans_kernel_serves_sglangs_call_and_matches_float64(planned, token
     out, lse = sm120.flash_mla_with_kvcache_sm120(**kwargs)
     assert lse is None and out.shape == (tokens, 1, 16, 512) and out.dtype == torch.bfloat16
     assert EXACT_CLASS_BOUND.violations(measure(out[:, 0], want)) == []
-    state = hooks.dsv4_bound_state()
+    state = dsv4.bound_state()
     assert {page: kind for page, (kind, _) in state.routes.items()} == {64: "c4a", 2: "c128a", 0: "window"}
     assert any("c4a self-check: " in r.getMessage() and "decode=triton_dsv4 ok" in r.getMessage()
                for r in planned.records)

@@ -17,7 +17,7 @@ from sglang.srt.arg_groups.resolution_hooks import run_hook
 from sglang_launch import server_args
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 
 TINY_V4 = dict(num_hidden_layers=3, hidden_size=256, vocab_size=256, intermediate_size=256, moe_intermediate_size=64,
                n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=64, o_lora_rank=64, index_n_heads=4)
@@ -61,7 +61,7 @@ def test_the_launcher_plans_each_layer_kind_and_exports_it(tmp_path, capability,
     kernel = _expected_kernel()
     for kind in ("c128a x2", "c4a x1", "window x1"):
         assert f"{kind}: prefill={kernel} decode={kernel}" in line
-    exported = json.loads(os.environ[hooks.DSV4_PLAN_ENV])
+    exported = json.loads(os.environ[names.PLAN_ENV])
     assert set(exported) == {"c128a", "c4a", "window"}
 
 
@@ -77,7 +77,7 @@ def test_sglangs_v41_config_object_is_read_as_v41(tmp_path, capability):
 
     hf_config = model_config_of(view).hf_config
     assert hf_config.architectures == ["DeepseekV4ForCausalLM"]  # SGLang runs V4.1 under V4's name
-    planned = hooks.dsv4_plan_from_sglang(view, hf_config, (12, 1))
+    planned = translate.plan_from_sglang(view, hf_config, (12, 1))
     from mla_sm120_plugin.families.dsv4 import layer_calls
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.modelinfo import facts_from_hf_config
@@ -120,4 +120,4 @@ def test_without_the_opt_in_sglang_launches_alone(tmp_path, capability, monkeypa
 
 
 def test_the_hook_is_installed():
-    assert hooks.DSV4_DEFAULTS in hooks.HOOKS and hooks.missing_hooks() == []
+    assert dsv4.DEFAULTS in dsv4.HOOKS and hooks.missing(install.engine_targets()) == []

@@ -25,7 +25,7 @@ from sglang.srt.server_args import ServerArgs
 
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST, TRITON_FAST_SPEC
 from mla_sm120_plugin.kernels.dsa.triton import triton_sparse_mla
@@ -37,7 +37,7 @@ def _decide(tmp_path, capability, monkeypatch, kv: str, decode: str = TRITON) ->
     """The launcher's decision: Triton decodes (``decode``), the reference prefills (eager, so it may)."""
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{decode}"}}')
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{decode}"}}')
     sa = ServerArgs(model_path=write_model(tmp_path, "glm", heads=HEADS), skip_tokenizer_init=True,
                     kv_cache_dtype=kv, disable_cuda_graph=True)
     overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
@@ -108,7 +108,7 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     slots, lengths = _sglang_slots(num_tokens, gen)
     slots[1, 0] = PAGES * layout.PAGE_SIZE + 5  # out of range: masked, never read
     sm_scale = 1 / math.sqrt(layout.HEAD_DIM)
-    phase_entry = getattr(hooks, f"around_{entry}")
+    phase_entry = getattr(dsa, f"around_{entry}")
     ran: list = []
     _spy_on_bound_kernels(ran)
     out = _through_sglang(phase_entry, mode, q, cache, dim, slots, lengths, sm_scale)
@@ -152,7 +152,7 @@ def test_the_fast_kernel_through_sglang_is_exact_class(tmp_path, capability, mon
     ran: list = []
     _spy_on_bound_kernels(ran)
     sm_scale = 0.135  # DeepSeek-V3.2's: a peaked softmax
-    out = _through_sglang(getattr(hooks, f"around_{entry}"), mode, q, cache, dim, slots, lengths, sm_scale)
+    out = _through_sglang(getattr(dsa, f"around_{entry}"), mode, q, cache, dim, slots, lengths, sm_scale)
     assert [kernel_name for kernel_name, *_ in ran] == [TRITON_FAST]
     expected, _ = attention(q, decode_cache(cache, layout.FP8_DS_MLA), slots, sm_scale, topk_length=lengths)
     got = measure(out, expected)
@@ -165,13 +165,13 @@ def test_validator_takes_the_launchers_decision(tmp_path, capability, monkeypatc
 
     _decide(tmp_path, capability, monkeypatch, "bfloat16")
     args = dict(model_arch="DeepseekV32ForCausalLM", device_sm_major=12, kv_cache_dtype=torch.bfloat16,
-                prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE)
+                prefill_impl=dsa.ROUTE, decode_impl=dsa.ROUTE)
     # SGLang alone refuses what the plugin serves (it knows GLM + fp8 only) ...
     with pytest.raises(ValueError, match="supports only GLM DSA with FP8"):
         flash_mla_sm120._validate_flashinfer_sparse_mla_backend.__wrapped__(**args)
     # ... with the plugin, the launcher's decision stands, and the kernels are bound and checked.
     assert flash_mla_sm120._validate_flashinfer_sparse_mla_backend(**args) is True
-    state = hooks.bound_state()
+    state = dsa.bound_state()
     assert (state.kernels["prefill"].name, state.kernels["decode"].name) == (TORCH, TRITON)
 
 
@@ -181,7 +181,7 @@ def test_validator_without_a_launcher_decision_says_how_to_start(monkeypatch):
     with pytest.raises(UnsupportedConfiguration, match="did not reach it"):
         flash_mla_sm120._validate_flashinfer_sparse_mla_backend(
             model_arch="GlmMoeDsaForCausalLM", device_sm_major=12, kv_cache_dtype=torch.float8_e4m3fn,
-            prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE)
+            prefill_impl=dsa.ROUTE, decode_impl=dsa.ROUTE)
 
 
 def test_skip_softmax_at_the_call_is_refused(tmp_path, capability, monkeypatch):
@@ -199,7 +199,7 @@ def test_skip_softmax_at_the_call_is_refused(tmp_path, capability, monkeypatch):
 def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
     from sglang.kernels.ops.attention import flash_mla_sm120
 
-    monkeypatch.delenv(plugin.ENABLE_ENV)
+    monkeypatch.delenv(names.ENABLE_ENV)
     q = torch.zeros(1, HEADS, layout.HEAD_DIM, dtype=torch.bfloat16)
     # SGLang's own body runs: it reaches FlashInfer's trtllm entry, which needs a GPU here.
     with pytest.raises(Exception) as err:
@@ -219,7 +219,7 @@ def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
 def _spy_on_bound_kernels(seen: list) -> None:
     from mla_sm120_plugin.dispatch.binding import BoundKernel
 
-    state = hooks.bound_state()
+    state = dsa.bound_state()
     for phase, bound in list(state.kernels.items()):
         def fn(q, kv_cache, indices, _inner=bound.fn, _name=bound.name, **kwargs):
             seen.append((_name, q, kv_cache, indices, kwargs))
@@ -245,7 +245,7 @@ def test_the_call_site_hands_every_binding_64_row_pages(tmp_path, capability, mo
     slots, lengths = _sglang_slots(num_tokens, gen)
     seen: list = []
     _spy_on_bound_kernels(seen)
-    _through_sglang(getattr(hooks, f"around_{entry}"), mode, q, cache, dim, slots, lengths, 0.1)
+    _through_sglang(getattr(dsa, f"around_{entry}"), mode, q, cache, dim, slots, lengths, 0.1)
     ((_, q_k, cache_k, indices_k, kwargs),) = seen
     assert cache_k.dim() == 3 and cache_k.shape[1] == layout.PAGE_SIZE and cache_k.data_ptr() == cache.data_ptr()
     api._validate(q_k, cache_k, indices_k, sm_scale=kwargs["sm_scale"], kv_layout=kwargs["kv_layout"],
@@ -263,7 +263,7 @@ def test_lengths_for_other_rows_are_not_used(tmp_path, capability, monkeypatch):
     cache, dim = _sglang_cache("fp8_e4m3", gen)
     q = torch.randn(5, HEADS, layout.HEAD_DIM, generator=gen).to(torch.bfloat16)
     slots, lengths = _sglang_slots(5, gen)
-    out = _through_sglang(hooks.around_forward_decode, ForwardMode.DECODE, q, cache, dim, slots, lengths[:3], 0.1)
+    out = _through_sglang(dsa.around_forward_decode, ForwardMode.DECODE, q, cache, dim, slots, lengths[:3], 0.1)
     rows = cache.view(torch.uint8).view(-1, dim)
     full_width = triton_sparse_mla(q, rows, slots, sm_scale=0.1, kv_layout=layout.FP8_DS_MLA)
     assert torch.equal(out, full_width)
@@ -276,14 +276,14 @@ def test_sglangs_flashinfer_workspace_is_not_allocated(tmp_path, capability, mon
     from sglang.srt.runtime_context import get_buffer
 
     # The name SGLang's DSA backend takes its FlashInfer workspace under, right after the validator.
-    assert f'"{hooks.WORKSPACE_BUFFER}"' in inspect.getsource(DeepseekSparseAttnBackend.__init__)
+    assert f'"{dsa.WORKSPACE_BUFFER}"' in inspect.getsource(DeepseekSparseAttnBackend.__init__)
     _decide(tmp_path, capability, monkeypatch, "fp8_e4m3")
     assert flash_mla_sm120._validate_flashinfer_sparse_mla_backend(
         model_arch="GlmMoeDsaForCausalLM", device_sm_major=12, kv_cache_dtype=torch.float8_e4m3fn,
-        prefill_impl=hooks.ROUTE, decode_impl=hooks.ROUTE) is True
+        prefill_impl=dsa.ROUTE, decode_impl=dsa.ROUTE) is True
 
     def allocate():
         raise AssertionError("SGLang's 384 MiB workspace was allocated")
 
-    workspace = get_buffer(hooks.WORKSPACE_BUFFER, allocate)
+    workspace = get_buffer(dsa.WORKSPACE_BUFFER, allocate)
     assert workspace is not None and workspace.numel() == 0

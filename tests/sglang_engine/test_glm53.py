@@ -24,7 +24,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 
 HEADS, PAGES, WIDTH = 8, 4, 2051  # 256 slots; 2048 + kpool 4 - 1 ids a row
@@ -39,15 +39,15 @@ def test_the_plugin_serves_it_where_sglang_alone_sends_it_to_trtllm(tmp_path, ca
     alone = overrides._dsa_split_backend_resolution.__wrapped__(
         overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa)))
     assert alone == {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"}
-    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
-    ctx = context_from_json(os.environ[hooks.CONTEXT_ENV])
+    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (dsa.ROUTE, dsa.ROUTE)
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
     assert (ctx.model_arch, ctx.kv_cache_dtype, ctx.index_topk, ctx.qk_rope_head_dim, ctx.kv_scale_format) == (
         "Glm5NextForConditionalGeneration", "fp8_nope", WIDTH, 0, "arbitrary")
 
 
 def test_without_the_opt_in_sglang_resolves_it_alone(tmp_path, capability, monkeypatch):
     capability(12, 0)
-    monkeypatch.delenv(plugin.ENABLE_ENV)
+    monkeypatch.delenv(names.ENABLE_ENV)
     model = write_model(tmp_path, "glm53mm", heads=HEADS)
     sa = server_args(model, kv_cache_dtype="fp8_e4m3")
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
@@ -57,10 +57,10 @@ def test_without_the_opt_in_sglang_resolves_it_alone(tmp_path, capability, monke
 def test_sglangs_kpool_guard_lets_the_routed_call_site_through(monkeypatch):
     backend = types.SimpleNamespace(dsa_index_kpool=4, dsa_kv_cache_store_fp8=True)
     ids = torch.zeros(1, WIDTH, dtype=torch.int32)
-    DeepseekSparseAttnBackend._check_kpool_tail_backend(backend, ids, hooks.ROUTE, "decode")  # no raise
-    monkeypatch.delenv(plugin.ENABLE_ENV)
+    DeepseekSparseAttnBackend._check_kpool_tail_backend(backend, ids, dsa.ROUTE, "decode")  # no raise
+    monkeypatch.delenv(names.ENABLE_ENV)
     with pytest.raises(NotImplementedError, match="index_kpool > 1"):
-        DeepseekSparseAttnBackend._check_kpool_tail_backend(backend, ids, hooks.ROUTE, "decode")
+        DeepseekSparseAttnBackend._check_kpool_tail_backend(backend, ids, dsa.ROUTE, "decode")
 
 
 def _slots(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def _slots(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.T
 def test_a_forward_through_sglangs_call_site_matches_float64(tmp_path, capability, monkeypatch, kv, entry, mode):
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
     resolve(write_model(tmp_path, "glm53mm", heads=HEADS), kv_cache_dtype=kv, disable_cuda_graph=True)
     gen = torch.Generator().manual_seed(5)
     latent = (torch.randn(PAGES * 64, 512, generator=gen) * 2).to(torch.bfloat16)
@@ -104,7 +104,7 @@ def test_a_forward_through_sglangs_call_site_matches_float64(tmp_path, capabilit
             backend, q_all=q, kv_cache=cache, page_table_1=ids, seq_lens=lengths, sm_scale=256**-0.5,
             skip_softmax_threshold_scale_factor=None)
 
-    out = getattr(hooks, f"around_{entry}")(sglang_forward, None, q, None, None, None,
+    out = getattr(dsa, f"around_{entry}")(sglang_forward, None, q, None, None, None,
                                              types.SimpleNamespace(forward_mode=mode))
     assert out.shape == (num_tokens, HEADS, 512)
     expected, _ = attention(q, decode_cache(rows, layout_name), ids, 256**-0.5, topk_length=lengths)

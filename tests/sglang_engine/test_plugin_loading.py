@@ -9,7 +9,7 @@ import sys
 from helpers import clean_env
 
 from mla_sm120_plugin.integration import sglang as plugin
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 
 HOOKS_BY_PLUGIN = """
 import json
@@ -17,8 +17,8 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
 ours = sorted(t for t, hs in HookRegistry._hooks.items() for _, _, src in hs if src and src.plugin_name == "mla_sm120")
-from mla_sm120_plugin.integration.sglang import hooks
-print(json.dumps({"targets": ours, "missing": hooks.missing_hooks()}))
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
+print(json.dumps({"targets": ours, "missing": hooks.missing(install.engine_targets())}))
 """
 
 
@@ -34,18 +34,18 @@ def _last_json(done: subprocess.CompletedProcess) -> dict:
 
 def test_installed_not_enabled_adds_only_its_flags():
     out = _last_json(_run(HOOKS_BY_PLUGIN))
-    assert out["targets"] == [plugin.ADD_CLI_ARGS]
-    assert sorted(out["missing"]) == sorted(hooks.HOOKS)  # SGLang's resolution and call site untouched
+    assert out["targets"] == [flags.ADD_CLI_ARGS]
+    assert sorted(out["missing"]) == sorted(install.engine_targets())  # SGLang's resolution and call site untouched
 
 
 def test_enabled_by_environment_hooks_every_target():
-    out = _last_json(_run(HOOKS_BY_PLUGIN, **{plugin.ENABLE_ENV: "1"}))
-    assert out["targets"] == sorted([plugin.ADD_CLI_ARGS, *hooks.HOOKS])
+    out = _last_json(_run(HOOKS_BY_PLUGIN, **{names.ENABLE_ENV: "1"}))
+    assert out["targets"] == sorted([flags.ADD_CLI_ARGS, *install.engine_targets()])
     assert out["missing"] == []
 
 
 def test_sglang_plugins_allowlist_leaves_it_out():
-    out = _last_json(_run(HOOKS_BY_PLUGIN, SGLANG_PLUGINS="smg-servicer", **{plugin.ENABLE_ENV: "1"}))
+    out = _last_json(_run(HOOKS_BY_PLUGIN, SGLANG_PLUGINS="smg-servicer", **{names.ENABLE_ENV: "1"}))
     assert out["targets"] == []
 
 
@@ -57,26 +57,26 @@ load_plugins()
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 args = parser.parse_args(["--model-path", "m"] + sys.argv[1:])
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 print(json.dumps({"enabled": os.environ.get("MLA_SM120_SGLANG"), "config": os.environ.get("MLA_SM120_SGLANG_CONFIG"),
-                  "missing": hooks.missing_hooks()}))
+                  "missing": hooks.missing(install.engine_targets())}))
 """
 
 
 def test_flag_on_sglangs_parser_enables_and_hooks_this_process():
     config = '{"decode_kernel": "triton_sparse_mla"}'
-    out = _last_json(_run(PARSE.replace("sys.argv[1:]", repr([plugin.FLAG, plugin.CONFIG_FLAG, config]))))
+    out = _last_json(_run(PARSE.replace("sys.argv[1:]", repr([names.FLAG, names.CONFIG_FLAG, config]))))
     assert out == {"enabled": "1", "config": config, "missing": []}
     # Without the flag nothing is hooked and nothing exported.
     out = _last_json(_run(PARSE.replace("sys.argv[1:]", "[]")))
-    assert out["enabled"] is None and sorted(out["missing"]) == sorted(hooks.HOOKS)
+    assert out["enabled"] is None and sorted(out["missing"]) == sorted(install.engine_targets())
 
 
 def test_config_flag_refuses_what_is_not_a_json_object():
-    done = _run(PARSE.replace("sys.argv[1:]", repr([plugin.FLAG, plugin.CONFIG_FLAG, "[1, 2]"])))
+    done = _run(PARSE.replace("sys.argv[1:]", repr([names.FLAG, names.CONFIG_FLAG, "[1, 2]"])))
     assert done.returncode == 2
     assert "--mla-sm120-config: '[1, 2]' is not a JSON object" in done.stderr
-    done = _run(PARSE.replace("sys.argv[1:]", repr([plugin.CONFIG_FLAG, "{oops"])))
+    done = _run(PARSE.replace("sys.argv[1:]", repr([names.CONFIG_FLAG, "{oops"])))
     assert done.returncode == 2 and "not JSON" in done.stderr
 
 
@@ -89,7 +89,7 @@ def test_register_says_when_sglang_is_not_the_release_it_was_built_for():
             "load_plugins()\n")
     done = _run(code)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"mla_sm120: built for sglang {plugin.BUILT_FOR}, running on sglang 0.5.99" in done.stderr
+    assert f"mla_sm120: built for sglang {names.BUILT_FOR}, running on sglang 0.5.99" in done.stderr
     assert "built for sglang" not in _run(code.replace("'0.5.99' if name == 'sglang' else ", "")).stderr
 
 

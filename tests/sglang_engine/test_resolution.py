@@ -13,7 +13,7 @@ from sglang.srt.arg_groups import overrides
 from mla_sm120_plugin.context import context_from_json
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
-from mla_sm120_plugin.integration.sglang import hooks
+from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
 
 
@@ -31,7 +31,7 @@ def test_sglangs_call_site_runs_the_hooked_pass():
     from sglang.srt.arg_groups import model_hook
 
     assert model_hook._dsa_split_backend_resolution is overrides._dsa_split_backend_resolution
-    assert hooks.missing_hooks() == []
+    assert hooks.missing(install.engine_targets()) == []
 
 
 @pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
@@ -39,7 +39,7 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
     capability(*cap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     caplog.set_level(logging.WARNING, logger="mla_sm120_plugin")
-    assert resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (dsa.ROUTE, dsa.ROUTE)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mla_sm120: model=")]
     assert f"sm_{cap[0]}{cap[1]}" in line
     from helpers import flashinfer_refusal_here
@@ -48,7 +48,7 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
     if refusal is not None:  # FlashInfer's probe runs on this machine's GPU (or lack of one)
         assert f"prefill={TRITON_FAST} decode={TRITON_FAST}" in line
         assert f"{FLASHINFER}/decode: " in line and refusal in line.split(f"{FLASHINFER}/decode: ")[1]
-    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
     assert (ctx.kv_cache_dtype, ctx.num_heads, ctx.kv_scale_format, ctx.device.source) == (
         "fp8_ds_mla", 64, "arbitrary", "sglang")
 
@@ -80,7 +80,7 @@ def test_the_seeds_flashmla_kv_is_refused_before_weights_and_served_without_it(t
         resolve(model, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv")
     msg = str(err.value)
     assert "flashmla_kv is another engine's impl" in msg and f"decode can run: {TRITON}" in msg
-    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="fp8_e4m3") == (dsa.ROUTE, dsa.ROUTE)
 
 
 def test_deepseek_v32_on_sm120_is_served(tmp_path, capability, monkeypatch):
@@ -89,8 +89,8 @@ def test_deepseek_v32_on_sm120_is_served(tmp_path, capability, monkeypatch):
     model = write_model(tmp_path, "dsv32")
     # SGLang alone sends it to trtllm on SM120: a kernel that does not run on SM12x.
     assert _alone(model, kv_cache_dtype="fp8_e4m3") == {"dsa_prefill_backend": "trtllm", "dsa_decode_backend": "trtllm"}
-    assert resolve(model, kv_cache_dtype="fp8_e4m3", tp_size=8) == (hooks.ROUTE, hooks.ROUTE)
-    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    assert resolve(model, kv_cache_dtype="fp8_e4m3", tp_size=8) == (dsa.ROUTE, dsa.ROUTE)
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
     # SGLang writes amax/448 scales for every model: the engine's fact beats the profile's pow2.
     assert (ctx.model_arch, ctx.num_heads, ctx.kv_scale_format) == ("DeepseekV32ForCausalLM", 16, "arbitrary")
 
@@ -99,12 +99,12 @@ def test_bf16_cache_and_forced_kernels(tmp_path, capability, monkeypatch):
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = write_model(tmp_path, "glm", index_topk=1000)  # any top-k
-    assert resolve(model, kv_cache_dtype="bfloat16") == (hooks.ROUTE, hooks.ROUTE)
+    assert resolve(model, kv_cache_dtype="bfloat16") == (dsa.ROUTE, dsa.ROUTE)
     # The plugin's settings through --mla-sm120-config; SGLang's own flag names the kernel too.
-    monkeypatch.setenv(plugin.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}"}}')
-    monkeypatch.delenv(hooks.CONTEXT_ENV)
-    assert resolve(model, kv_cache_dtype="bfloat16", dsa_decode_backend=TRITON) == (hooks.ROUTE, hooks.ROUTE)
-    ctx = context_from_json(__import__("os").environ[hooks.CONTEXT_ENV])
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}"}}')
+    monkeypatch.delenv(names.PLAN_ENV)
+    assert resolve(model, kv_cache_dtype="bfloat16", dsa_decode_backend=TRITON) == (dsa.ROUTE, dsa.ROUTE)
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
     assert (ctx.prefill_kernel, ctx.decode_kernel, ctx.kv_cache_dtype, ctx.index_topk) == (TORCH, TRITON, "bf16", 1000)
 
 
@@ -132,12 +132,12 @@ def test_skip_softmax_is_refused(tmp_path, capability, monkeypatch):
 @pytest.mark.parametrize("cap", [(12, 0), (9, 0)])
 def test_without_the_opt_in_resolution_is_sglangs(tmp_path, capability, monkeypatch, kind, kw, cap):
     capability(*cap)
-    monkeypatch.delenv(plugin.ENABLE_ENV)
+    monkeypatch.delenv(names.ENABLE_ENV)
     model = write_model(tmp_path, kind)
     sa = server_args(model, **kw)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     assert overrides._dsa_split_backend_resolution(view) == SGLANG_ALONE(view)
-    assert hooks.CONTEXT_ENV not in __import__("os").environ
+    assert names.PLAN_ENV not in __import__("os").environ
 
 
 def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypatch):
@@ -151,7 +151,7 @@ def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypat
     sa = server_args(model, kv_cache_dtype="fp8_e4m3", tp_size=8, chunked_prefill_size=4096,
                       max_running_requests=16, disable_cuda_graph=True)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
-    from_sglang = hooks.context_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1))
+    from_sglang = translate.contexts_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1))[dsa.KIND]
     # What `mla-sm120 check --engine sglang --model <dir> --sm 12.1 --tp 8 --kv-cache-dtype fp8_e4m3
     # --max-decode-tokens 16 --max-prefill-tokens 4096 --enforce-eager` builds.
     reg = get_registry()

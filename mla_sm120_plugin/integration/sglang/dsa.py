@@ -1,0 +1,217 @@
+"""The DSA binding: SGLang 0.5.23's DSA backend resolution, validator and call site, served by the plan.
+
+- ``_dsa_split_backend_resolution`` (AROUND, launcher, before any weight loads): plans from SGLang's
+  resolved arguments (:func:`.translate.plan_from_sglang`; a refusal stops start-up with given /
+  supported / fix), exports the plan and routes both DSA phases to ``flashinfer_sparse_mla``.
+- ``_validate_flashinfer_sparse_mla_backend`` (AROUND, each scheduler, in the DSA backend's
+  constructor): the launcher's decision replaces SGLang's GLM-only check; binds, self-checks and
+  logs once a process, then claims SGLang's FlashInfer workspace name (:data:`WORKSPACE_BUFFER`,
+  384 MiB a GPU, which no kernel of the plugin reads) with an empty buffer.
+- ``flashinfer_sparse_mla_forward`` (AROUND): the bound kernel of the current phase on SGLang's
+  cache, viewed as 64-row pages, with SGLang's top-k slots (and its lengths when they match q's rows).
+- ``forward_decode`` / ``forward_extend`` (AROUND): the phase of the calls inside (target-verify and
+  draft-extend count as decode, as SGLang counts them).
+- ``_check_kpool_tail_backend`` (AROUND, each forward): lets the routed call site through for a
+  pooled indexer (GLM-5.3-Flash): it gets the expanded token slots every kernel here reads.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...errors import KernelInputError, format_error
+from ...families.dsa import KIND
+from ...kernels.dsa.layout import get as get_layout
+from ...report import decision_line, log_line
+from ...selection import DECODE_TOKENS_MAX, select
+from ...types import DECODE, PREFILL, Decision
+from . import hooks, translate
+from .names import LOGGER, PLAN_ENV, enabled
+
+logger = logging.getLogger(LOGGER)
+
+# SGLang's name for the call site the plugin serves: both DSA phases are routed to it.
+ROUTE = "flashinfer_sparse_mla"
+
+RESOLUTION = "sglang.srt.arg_groups.overrides._dsa_split_backend_resolution"
+VALIDATOR = "sglang.kernels.ops.attention.flash_mla_sm120._validate_flashinfer_sparse_mla_backend"
+CALL = "sglang.kernels.ops.attention.flash_mla_sm120.flashinfer_sparse_mla_forward"
+DECODE_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_decode"
+EXTEND_ENTRY = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend.forward_extend"
+# Per forward, SGLang refuses every impl but fa3/tilelang/trtllm for a pooled indexer (GLM-5.3-Flash);
+# the plugin's kernels read the token slots SGLang expands the pools to.
+KPOOL_TAIL_CHECK = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend._check_kpool_tail_backend"
+# SGLang's named persistent buffer for the DSA call site's FlashInfer workspace, and where it lives.
+WORKSPACE_BUFFER = "dsa_flashinfer_sparse_mla_workspace"
+BUFFERS = "sglang.srt.runtime_context.get_buffer"
+
+_phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
+_bound: dict[str, Any] = {}  # "state": this process's BoundState
+
+
+# ------------------------------------------------------------------------------- the launcher
+
+
+def around_resolution(original_fn: Callable[..., dict], view: Any, *args: Any, **kwargs: Any) -> dict:
+    """AROUND ``_dsa_split_backend_resolution``: decide in the launcher, before any weight loads."""
+    if not enabled():
+        return original_fn(view, *args, **kwargs)
+    hooks.require(HOOKS)
+    routed = getattr(view, "dsa_prefill_backend", None) == ROUTE == getattr(view, "dsa_decode_backend", None)
+    if routed and translate.exported():
+        # A re-run on the record already resolved (SGLang re-validates it on restart and in its
+        # children): the plan is in the environment and the view shows our own routing.
+        return {}
+    planned = translate.plan_from_sglang(view, translate.model_config(view), translate.gpu_capability())
+    translate.export(planned)  # UnsupportedConfiguration stopped SGLang's start-up above
+    logger.warning("%s", log_line(planned))
+    return {"dsa_prefill_backend": ROUTE, "dsa_decode_backend": ROUTE}
+
+
+# ------------------------------------------------------------------------------- each scheduler
+
+
+@dataclass(frozen=True)
+class BoundState:
+    """This process's decision, its bound kernels (after the self-check) and how to view the cache."""
+
+    decision: Decision
+    kernels: dict[str, Any]
+    kv_layout: str
+    scale_format: str
+
+    def pages(self, kv_cache: Any) -> Any:
+        """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
+
+        ``C`` is the layout's row: 656 fp8 bytes (DSA), 528 (SGLang's packed rope-less rows), or 576 /
+        512 bf16. SGLang's DSA pool holds whole pages (it views the buffer as ``[-1, page_size, C]``
+        itself, with a physical page size of 64, 64 x index_kpool logical); a buffer that is not whole
+        64-row pages is refused with the sizes.
+        """
+        import torch
+
+        from ...kernels.dsa.pack import page_view
+
+        cache = get_layout(self.kv_layout)
+        rows = kv_cache.view(torch.uint8) if cache.fp8 else kv_cache
+        return page_view(rows.reshape(-1, cache.row))
+
+
+def bound_state() -> BoundState:
+    """Decide the launcher's DSA context, bind, self-check and log, once per process.
+
+    :raises UnsupportedConfiguration: the plan did not reach this process (or holds no DSA kind),
+        the decision refuses here, or every kernel for a phase failed its self-check.
+    """
+    if "state" in _bound:
+        return _bound["state"]
+    hooks.require(HOOKS)
+    what, where = "decision", "resolving the DSA backends"
+    ctx = translate.imported(what, where).get(KIND)
+    if ctx is None:
+        raise translate.not_reached(what, where)
+    from ...dispatch import selfcheck
+    from ...dispatch.binding import bind
+
+    decision = select(ctx)
+    names, line = selfcheck.verify_at_init(decision)
+    kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
+    logger.info("%s", decision_line(decision))
+    logger.info("%s", line)
+    _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)
+    return _bound["state"]
+
+
+def around_validator(original_fn: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
+    """AROUND SGLang's SM120 validator: the launcher's decision replaces its GLM-only rule."""
+    if not enabled():
+        return original_fn(*args, **kwargs)
+    bound_state()
+    _claim_workspace()
+    return True  # SGLang routes both phases to the call site the plugin serves
+
+
+def _claim_workspace() -> None:
+    """Give SGLang's FlashInfer workspace name an empty buffer before its constructor allocates one."""
+    import torch
+
+    from ...dispatch.selfcheck import engine_device
+
+    get_buffer = pkgutil.resolve_name(BUFFERS)
+    get_buffer(WORKSPACE_BUFFER, lambda: torch.empty(0, dtype=torch.uint8, device=engine_device()))
+
+
+def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices: Any, seq_lens: Any,
+                workspace_buffer: Any = None, **kwargs: Any) -> Any:
+    """AROUND ``flashinfer_sparse_mla_forward``: the bound kernel of the current phase.
+
+    q: [T, H, 576] bfloat16 ([T, H, 512] for a rope-less model); kv_cache: [slots, 1, 656]
+    float8_e4m3fn bytes or [slots, 1, 576] bfloat16 (rope-less: [slots, 1, 528] bytes or
+    [slots, 1, 512] bfloat16); indices: [T, topk] int32 global slots, -1 padded (2051 wide for
+    GLM-5.3-Flash); seq_lens: [T] int32 valid top-k entries a row, or rows of another count (then
+    unused). Returns [T, H, 512] bfloat16.
+    """
+    if not enabled():
+        return original_fn(q, kv_cache, indices, seq_lens, workspace_buffer, **kwargs)
+    if kwargs.get("skip_softmax_threshold_scale_factor") is not None:
+        raise KernelInputError(format_error(
+            f"skip_softmax_threshold_scale_factor={kwargs['skip_softmax_threshold_scale_factor']!r}",
+            "None: the plugin's kernels compute full softmax",
+            "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR"))
+    state = bound_state()
+    phase = _phase.get() or (DECODE if q.shape[0] <= DECODE_TOKENS_MAX else PREFILL)
+    # SGLang's metadata rows should match q's; where they do not (DP/CP padding), SGLang runs its
+    # kernels without lengths (full width: -1 padding is masked anyway), and so do we.
+    lengths = seq_lens if seq_lens is not None and seq_lens.shape[0] == q.shape[0] else None
+    return state.kernels[phase].call(q, state.pages(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
+                                     kv_layout=state.kv_layout, topk_length=lengths,
+                                     scale_format=state.scale_format)
+
+
+def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_indices: Any, dsa_impl: str,
+                            *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_check_kpool_tail_backend``: the call site the plugin serves reads expanded token slots."""
+    if enabled() and dsa_impl == ROUTE:
+        return None
+    return original_fn(backend, topk_indices, dsa_impl, *args, **kwargs)
+
+
+def _in_phase(phase: str, original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    token = _phase.set(phase)
+    try:
+        return original_fn(*args, **kwargs)
+    finally:
+        _phase.reset(token)
+
+
+def around_forward_decode(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``DeepseekSparseAttnBackend.forward_decode``: calls inside are decode."""
+    return _in_phase(DECODE, original_fn, *args, **kwargs)
+
+
+def around_forward_extend(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``forward_extend``: prefill, except target-verify and draft-extend (decode, as in SGLang)."""
+    batch = kwargs.get("forward_batch", args[5] if len(args) > 5 else None)
+    mode = getattr(batch, "forward_mode", None)
+    as_decode = mode is not None and (mode.is_target_verify() or mode.is_draft_extend_v2())
+    return _in_phase(DECODE if as_decode else PREFILL, original_fn, *args, **kwargs)
+
+
+def reset_for_tests() -> None:
+    """Forget this process's bound state (tests; SGLang binds once a process)."""
+    _bound.clear()
+
+
+HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook AROUND it (BUFFERS is resolved)
+    RESOLUTION: around_resolution,
+    VALIDATOR: around_validator,
+    CALL: around_call,
+    DECODE_ENTRY: around_forward_decode,
+    EXTEND_ENTRY: around_forward_extend,
+    KPOOL_TAIL_CHECK: around_kpool_tail_check,
+}
