@@ -23,6 +23,11 @@ HEAVY = ("torch", "triton", "flashinfer", "vllm", "sglang")
         "mla_sm120_plugin.integration.vllm",
         "mla_sm120_plugin.integration.sglang",
         "mla_sm120_plugin.integration.sglang.hooks",
+        "mla_sm120_plugin.integration.sglang.names",
+        "mla_sm120_plugin.integration.sglang.flags",
+        "mla_sm120_plugin.integration.sglang.install",
+        "mla_sm120_plugin.integration.vllm.names",
+        "mla_sm120_plugin.integration.vllm.ray_env",
         "mla_sm120_plugin.context",
     ],
 )

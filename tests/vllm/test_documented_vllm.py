@@ -17,7 +17,8 @@ from vllm_engine import make_vllm_config
 from vllm.config import SpeculativeConfig, VllmConfig
 
 from mla_sm120_plugin.config import CONFIG_ENV
-from mla_sm120_plugin.integration.vllm.backend import context_from_vllm, decide, engine_limits
+from mla_sm120_plugin.integration.vllm.backend import decide
+from mla_sm120_plugin.integration.vllm.translate import context_from_vllm, engine_limits
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 
 INLINE = "--additional-config mla_sm120"

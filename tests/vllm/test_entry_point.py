@@ -9,7 +9,7 @@ import sys
 
 from helpers import clean_env
 
-from mla_sm120_plugin.integration.vllm import BACKEND_PATH
+from mla_sm120_plugin.integration.vllm.names import BACKEND_PATH
 
 PROBE = """
 import json, logging

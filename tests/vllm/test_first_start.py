@@ -46,9 +46,9 @@ def test_impl_self_checks_inside_vllms_construction_context(tmp_path, tp1):
         impl = make_impl(vc, heads=HEADS, topk=TOPK, kv_cache_dtype="fp8_ds_mla", load_device="meta")
     (line,) = [m for m in messages if m.startswith("mla_sm120: self-check:")]
     for phase in (DECODE, PREFILL):
-        assert f"{phase}={impl._kernels[phase].name} ok (cos_diff " in line, line
+        assert f"{phase}={impl._mla_sm120_kernels[phase].name} ok (cos_diff " in line, line
     assert line.count("bound cos_diff <= 5e-06, relRMS <= 0.30%") == 2, line  # both phases at exact class
-    assert impl._kernels[DECODE].name == (TRITON_FAST if not ON_GPU else impl.decision.decode)
+    assert impl._mla_sm120_kernels[DECODE].name == (TRITON_FAST if not ON_GPU else impl.decision.decode)
     assert torch.get_default_dtype() == torch.float32  # the check restored what it changed
 
 
@@ -126,7 +126,7 @@ def test_forward_hands_every_binding_64_row_pages(tmp_path, cpu_vllm, kv_dtype, 
     md = build_metadata(vc, kv_dtype, TOPK, common_metadata(q_lens, seq_lens, block_table, page=PAGE,
                                                             stride_rows=STRIDE_ROWS))
     seen: list = []
-    impl._kernels = {phase: _spy(bound, seen) for phase, bound in impl._kernels.items()}
+    impl._mla_sm120_kernels = {phase: _spy(bound, seen) for phase, bound in impl._mla_sm120_kernels.items()}
     width = 656 if kv_dtype == "fp8_ds_mla" else 576
     dtype = torch.uint8 if kv_dtype == "fp8_ds_mla" else torch.bfloat16
     kv_cache = torch.zeros(NUM_BLOCKS, STRIDE_ROWS, width, dtype=dtype)[:, :PAGE]  # pages 128 rows apart

@@ -40,8 +40,8 @@ def test_failing_kernel_falls_back_and_says_why(forced_wrong_decode):
     with vllm_log() as messages:
         impl = _build(forced_wrong_decode)
     assert impl.decision.decode == WRONG  # what was decided ...
-    assert impl._kernels[DECODE].name == TRITON_FAST  # ... and what runs: the next kernel allowed
-    assert impl._kernels[PREFILL].name == TORCH
+    assert impl._mla_sm120_kernels[DECODE].name == TRITON_FAST  # ... and what runs: the next kernel allowed
+    assert impl._mla_sm120_kernels[PREFILL].name == TORCH
     (line,) = [m for m in messages if "self-check" in m]
     assert f"decode={WRONG} FAILED on arbitrary-written scales (max error" in line, line
     assert f"falling back to {TRITON_FAST} ok" in line, line
@@ -61,5 +61,5 @@ def test_off_skips_and_says_so(forced_wrong_decode, monkeypatch):
     monkeypatch.setenv("MLA_SM120_SELF_CHECK", "off")
     with vllm_log() as messages:
         impl = _build(forced_wrong_decode)
-    assert impl._kernels[DECODE].name == WRONG
+    assert impl._mla_sm120_kernels[DECODE].name == WRONG
     assert any("self-check skipped (MLA_SM120_SELF_CHECK=off)" in m for m in messages)

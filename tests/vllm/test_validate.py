@@ -159,7 +159,7 @@ def test_check_and_vllm_build_the_same_context(tmp_path):
     from mla_sm120_plugin.context import EngineLimits, build_context, plugin_config
     from mla_sm120_plugin.device import parse_device
     from mla_sm120_plugin.hooks.manager import get_registry
-    from mla_sm120_plugin.integration.vllm.backend import context_from_vllm
+    from mla_sm120_plugin.integration.vllm.translate import context_from_vllm
     from mla_sm120_plugin.modelinfo import resolve_model
 
     model = write_model(tmp_path, "glm", index_topk=1024)

@@ -1,34 +1,21 @@
-"""vLLM integration: the ``vllm.general_plugins`` entry point.
+"""vLLM integration: the ``vllm.general_plugins`` entry point, :func:`register`.
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, each worker),
-once per process, before models are built. It records our backend's class path under
-``AttentionBackendEnum.CUSTOM`` and installs the DeepSeek-V4 import hook
-(:mod:`.dsv4`); nothing is imported until the user picks ``--attention-backend CUSTOM`` and vLLM
-resolves that path or builds a DeepSeek-V4 model.
+once per process, before models are built. It records the backend's class path under
+``AttentionBackendEnum.CUSTOM`` and installs the DeepSeek-V4 import hook; nothing heavy is
+imported until the user picks ``--attention-backend CUSTOM`` and vLLM resolves that path or builds
+a DeepSeek-V4 model.
 
-Every place this package depends on vLLM 0.33 internals is listed in
-:mod:`mla_sm120_plugin.integration.vllm.adapters`, with what would let it go.
+The rooms: :mod:`.names` (the names they share: a leaf), :mod:`.ray_env` (the settings on Ray's
+actors), :mod:`.translate` (vLLM's config -> the plan's inputs; the plan), :mod:`.backend` (the DSA
+binding: backend, metadata builder, impl), :mod:`.dsv4` (the DeepSeek-V4 binding: the layer class
+vLLM picks), :mod:`.dsv4_nvfp4` (its 384-byte NVFP4 record), and :mod:`.internals` (every vLLM
+internal the adapter touches: what, why, what would let it go).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-
-BACKEND_PATH = "mla_sm120_plugin.integration.vllm.backend.MlaSm120Backend"
-# A child of vLLM's "vllm" logger: vLLM configures handlers (its format, its stream, its level from
-# VLLM_LOGGING_LEVEL) on that logger only and does not propagate it, so records of any other
-# logger reach no handler in a vLLM process.
-LOGGER_NAME = "vllm.mla_sm120_plugin"
-
-logger = logging.getLogger(LOGGER_NAME)
-
-# The plugin's settings travel in the environment (MLA_SM120_CONFIG, MLA_SM120_SELF_CHECK,
-# MLA_SM120_DISABLE_PLUGINS, MLA_SM120_DEVICE). vLLM 0.33's Ray paths copy to the actors they start
-# only variables they know (vllm/ray/ray_env.py: get_env_vars_to_copy, used for Ray data-parallel
-# engine cores) plus the prefixes a user adds to this documented, additive variable.
-SETTINGS_PREFIX = "MLA_SM120_"
-RAY_EXTRA_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 # Set once this process has decided (registered, or found CUSTOM taken): later calls return
 # at once. A module flag, because vLLM may call register() again in the same process.
@@ -43,6 +30,10 @@ def register() -> None:
     """
     if _state:
         return
+    from .names import BACKEND_PATH, LOGGER_NAME
+    from .ray_env import carry_settings_to_ray
+
+    logger = logging.getLogger(LOGGER_NAME)
     carry_settings_to_ray()
     try:
         # vllm is already imported when vLLM calls this; the import is free then.
@@ -69,17 +60,3 @@ def register() -> None:
     except Exception as exc:  # an exception here would abort vLLM's start-up
         _state["outcome"] = "failed"
         logger.warning("mla_sm120: could not register the CUSTOM attention backend: %s: %s", type(exc).__name__, exc)
-
-
-def carry_settings_to_ray() -> None:
-    """Add :data:`SETTINGS_PREFIX` to vLLM's extra Ray prefixes when a plugin setting is set here.
-
-    vLLM loads plugins in the API server before it starts engine cores or workers, so the
-    variable is in place when its Ray launchers read it; mp and external-launcher workers inherit
-    the environment anyway. Never raises.
-    """
-    if not any(name.startswith(SETTINGS_PREFIX) for name in os.environ):
-        return
-    prefixes = [p.strip() for p in os.environ.get(RAY_EXTRA_PREFIXES_ENV, "").split(",") if p.strip()]
-    if SETTINGS_PREFIX not in prefixes:
-        os.environ[RAY_EXTRA_PREFIXES_ENV] = ",".join([*prefixes, SETTINGS_PREFIX])

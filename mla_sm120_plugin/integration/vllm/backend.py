@@ -1,14 +1,15 @@
-"""The CUSTOM sparse-MLA attention backend for vLLM 0.33: backend, metadata builder, impl.
+"""The DSA binding: the CUSTOM sparse-MLA attention backend for vLLM 0.33 (backend, metadata builder, impl).
 
 Imported only when vLLM resolves ``--attention-backend CUSTOM``; heavy imports are fine here.
 The decision (which kernel serves each phase) is made in :meth:`MlaSm120Backend.validate_configuration`,
 which vLLM's selector calls while the model is being built, before any weight loads; the impl
-binds that decision once and only dispatches at forward time.
+binds that decision once and only dispatches at forward time. The plan comes from
+:func:`.translate.plan_from_vllm`; :func:`logical_to_global` is the index translation the impl
+uses where vLLM's Triton one does not apply.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, ClassVar
 
@@ -25,70 +26,20 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 
-from ... import device as device_mod
-from ...config import ADDITIONAL_CONFIG_KEY
-from ...context import EngineLimits, build_context, plugin_config
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
-from ...hooks.manager import get_registry
 from ...dispatch import selfcheck
 from ...dispatch.binding import BoundKernel, bind
 from ...report import decision_line
 from ...rules import SERVED_SM_FAMILIES
 from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
 from ...kernels.dsa.pack import page_view
-from ...modelinfo import facts_from_hf_config
-from ...selection import select
 from ...types import DECODE, PREFILL, Decision, SelectionContext
-from . import LOGGER_NAME
-from .adapters import current_vllm_config, logical_to_global
+from .names import LOGGER_NAME
+from .translate import current_vllm_config, device_capability, plan_from_vllm
 
 logger = logging.getLogger(LOGGER_NAME)
 
 BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
-
-
-def engine_limits(vllm_config: Any) -> EngineLimits:
-    """vLLM's parallelism, scheduling and attention settings, as the selection needs them."""
-    model_config = vllm_config.model_config
-    sched = vllm_config.scheduler_config
-    spec = vllm_config.speculative_config
-    decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
-    comp = vllm_config.compilation_config
-    parallel = vllm_config.parallel_config
-    features = set()
-    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
-        features.add("hisparse")
-    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
-        features.add("dcp")
-    return EngineLimits(
-        tensor_parallel_size=parallel.tensor_parallel_size,
-        max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
-        max_prefill_tokens=sched.max_num_batched_tokens,
-        cuda_graphs=(not model_config.enforce_eager and comp.cudagraph_mode is not None
-                     and comp.cudagraph_mode.has_full_cudagraphs()),
-        features=frozenset(features),
-    )
-
-
-def model_and_settings(vllm_config: Any, hf_config: Any) -> tuple[Any, Any]:
-    """The model's facts from ``hf_config`` (named and archited as vLLM serves it) and the plugin
-    settings for it (``--additional-config mla_sm120``, then the environment's config)."""
-    model_config = vllm_config.model_config
-    reg = get_registry()
-    facts = facts_from_hf_config(hf_config, name=str(model_config.model), registry=reg)
-    if model_config.architectures:
-        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
-    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    return facts, plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
-
-
-def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
-    """The selection context for vLLM's config on a device of capability ``major.minor``."""
-    model_config = vllm_config.model_config
-    hf = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
-    facts, settings = model_and_settings(vllm_config, hf)
-    return build_context(facts, settings, device_mod.from_capability(major, minor), kv_cache_dtype,
-                         engine_limits(vllm_config))
 
 
 class DecisionSlot:
@@ -120,12 +71,33 @@ SLOT = DecisionSlot()
 
 
 def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> Decision:
-    """Run the constraint matrix for vLLM's config on a device of capability ``major.minor``.
+    """The plan's one decision for vLLM's config on a device of capability ``major.minor`` (a DSA
+    model's plan has one layer kind).
 
     :raises UnsupportedConfiguration: with the combination, what is supported and the fix.
     :raises ConfigError: the plugin config (inline or file) is malformed.
     """
-    return select(context_from_vllm(vllm_config, kv_cache_dtype, major, minor))
+    return plan_from_vllm(vllm_config, kv_cache_dtype, (major, minor)).decision
+
+
+def logical_to_global(
+    logical: Any, req_id_per_token: Any, block_table: Any, *, block_size: int, block_stride_rows: int
+) -> Any:
+    """Per-request logical token positions -> rows of the flat KV view; -1 stays -1.
+
+    :param logical: [N, topk], int32: positions within each token's request, -1 padded.
+    :param req_id_per_token: [>=N], int32: the request row of each token.
+    :param block_table: [num_reqs, max_blocks], int32: physical block ids.
+    :returns: [N, topk], int32 global slots; -1 where the position is -1 or past the block table.
+    """
+    n = logical.shape[0]
+    req = req_id_per_token[:n].long().unsqueeze(1)  # [N, 1]
+    pos = logical.long()
+    blk = torch.div(pos.clamp(min=0), block_size, rounding_mode="floor")  # [N, topk]
+    valid = (pos >= 0) & (blk < block_table.shape[1])
+    phys = block_table[req, blk.clamp(max=block_table.shape[1] - 1)].long()  # [N, topk]
+    slots = phys * block_stride_rows + pos.remainder(block_size)
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
 class MlaSm120MetadataBuilder(FlashInferMLASparseMetadataBuilder):
@@ -234,15 +206,15 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         # capture, on its own small buffers. Results are per process, so later layers reuse them.
         names, check_line = selfcheck.verify_at_init(self.decision)
         kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
-        self._kernels: dict[str, BoundKernel] = kernels
-        self._single_kernel = kernels[DECODE].name == kernels[PREFILL].name
+        self._mla_sm120_kernels: dict[str, BoundKernel] = kernels
+        self._mla_sm120_single_kernel = kernels[DECODE].name == kernels[PREFILL].name
         if ctx not in SLOT.logged:
             SLOT.logged.add(ctx)
             logger.info("%s", decision_line(self.decision))
             logger.info("%s", check_line)
 
     def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-        kernel = self._kernels[phase]
+        kernel = self._mla_sm120_kernels[phase]
         if not kernel.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise KernelUnavailable(
                 format_error(
@@ -289,7 +261,7 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         pages = page_view(kv_rows)  # [rows / 64, 64, C]
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]
         nd = attn_metadata.num_decode_tokens
-        if self._single_kernel or nd == n:
+        if self._mla_sm120_single_kernel or nd == n:
             self._run(DECODE, q, pages, slots, out)
         elif nd == 0:
             self._run(PREFILL, q, pages, slots, out)
@@ -301,14 +273,4 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
 
 
 def _device_capability() -> tuple[int, int]:
-    if SLOT.capability is not None:
-        return SLOT.capability
-    from vllm.platforms import current_platform
-
-    cap = current_platform.get_device_capability()
-    if cap is None:
-        raise UnsupportedConfiguration(
-            format_error("no GPU compute capability reported by vLLM's platform", "an NVIDIA SM120/SM121 GPU",
-                         "run on an SM12x GPU")
-        )
-    return cap.major, cap.minor
+    return SLOT.capability if SLOT.capability is not None else device_capability()

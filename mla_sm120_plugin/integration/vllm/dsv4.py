@@ -20,7 +20,7 @@ FlashInfer's DeepSeek-V4 kernels, vLLM's own call runs; where it gives the plugi
 (a shape or a precision FlashInfer's kernels do not serve, or FlashInfer's SM120 module not
 building here), the same call, with the same arguments, goes to
 :func:`mla_sm120_plugin.dispatch.dsv4.triton_dsv4`. Each kind's kernels pass the self-check
-(:func:`mla_sm120_plugin.dispatch.dsv4.verify`) when its first layer is built.
+(:func:`mla_sm120_plugin.dispatch.selfcheck.verify_at_init`) when its first layer is built.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from . import BACKEND_PATH, LOGGER_NAME
+from .names import BACKEND_PATH, LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -56,13 +56,13 @@ class _PatchAfterExec(importlib.abc.Loader):
     """Runs the module's own loader, then wraps its ``_select_dsv4_attn_cls``."""
 
     def __init__(self, inner: importlib.abc.Loader) -> None:
-        self._inner = inner
+        self._mla_sm120_inner = inner
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._inner.create_module(spec)
+        return self._mla_sm120_inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self._inner.exec_module(module)
+        self._mla_sm120_inner.exec_module(module)
         wrap_selector(module)
 
 
@@ -183,27 +183,11 @@ def plan_for(vllm_config: Any) -> Any:
 
 
 def _plan(vllm_config: Any) -> Any:
-    from vllm.platforms import current_platform
+    from .translate import device_capability, plan_from_vllm
 
-    from ...device import from_capability
-    from ...plan import plan
-    from ...errors import UnsupportedConfiguration, format_error
-    from ...hooks.manager import get_registry
-    from .backend import engine_limits, model_and_settings
-
-    cap = current_platform.get_device_capability()
-    if cap is None:
-        raise UnsupportedConfiguration(format_error(
-            "--attention-backend CUSTOM for DeepSeek-V4: vLLM's platform reports no GPU compute capability",
-            "an NVIDIA SM120/SM121 GPU", "run on an SM12x GPU, or serve without --attention-backend CUSTOM"))
     # the whole config: V4.1's layer list may sit under its text_config, which the reader looks into
-    facts, settings = model_and_settings(vllm_config, vllm_config.model_config.hf_config)
-    spec = vllm_config.speculative_config
-    drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
-    # vLLM widens decode window rows for a non-causal (DSpark) draft only (_required_sm120_sparse_topk).
-    non_causal = bool(getattr(vllm_config.attention_config, "use_non_causal", False)) and spec is not None
-    return plan(facts, settings, from_capability(cap.major, cap.minor), vllm_config.cache_config.cache_dtype,
-                engine_limits(vllm_config), speculative_tokens=drafts, dspark=non_causal, registry=get_registry())
+    return plan_from_vllm(vllm_config, vllm_config.cache_config.cache_dtype, device_capability(),
+                          vllm_config.model_config.hf_config)
 
 
 # ------------------------------------------------------------------------------ the layer class
@@ -299,7 +283,7 @@ class RoutedDsv4Attention:
             return super()._fused_qnorm_rope_kv_insert(q, kv, positions, attn_metadata)  # type: ignore[misc]
         return dsv4_nvfp4.insert_window(self, q, kv, positions, attn_metadata)
 
-    def _routed(self, phase: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _mla_sm120_routed(self, phase: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         token = _route.set(self._mla_sm120_route[phase])
         try:
             return method(*args, **kwargs)
@@ -307,10 +291,10 @@ class RoutedDsv4Attention:
             _route.reset(token)
 
     def _forward_decode(self, *args: Any, **kwargs: Any) -> Any:
-        return self._routed("decode", super()._forward_decode, *args, **kwargs)  # type: ignore[misc]
+        return self._mla_sm120_routed("decode", super()._forward_decode, *args, **kwargs)  # type: ignore[misc]
 
     def _forward_prefill(self, *args: Any, **kwargs: Any) -> Any:
-        return self._routed("prefill", super()._forward_prefill, *args, **kwargs)  # type: ignore[misc]
+        return self._mla_sm120_routed("prefill", super()._forward_prefill, *args, **kwargs)  # type: ignore[misc]
 
 
 def _route_for(name: str, record: str, module: Any) -> Callable[..., Any] | None:

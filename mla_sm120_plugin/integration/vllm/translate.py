@@ -1,0 +1,116 @@
+"""vLLM's config in the plan's terms: engine limits, the model's facts, the plugin's settings, the plan.
+
+:func:`plan_from_vllm` reads a ``VllmConfig`` (the one in scope while vLLM builds the model:
+:func:`current_vllm_config`) into the plan's inputs and plans through
+:func:`mla_sm120_plugin.plan.plan`, for every model family alike: the DSA binding takes the plan's
+one decision, the DeepSeek-V4 binding a decision per layer kind. No servability rule lives here:
+the adapter translates, the matrix decides. Imports nothing of vLLM at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ... import device as device_mod
+from ...config import ADDITIONAL_CONFIG_KEY
+from ...context import EngineLimits, build_context, plugin_config
+from ...errors import UnsupportedConfiguration, format_error
+from ...hooks.manager import get_registry
+from ...modelinfo import facts_from_hf_config
+from ...plan import Plan, plan
+from ...types import SelectionContext
+
+
+def current_vllm_config() -> Any:
+    """The VllmConfig in scope, or None (outside vLLM's model construction)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def engine_limits(vllm_config: Any) -> EngineLimits:
+    """vLLM's parallelism, scheduling and attention settings, as the selection needs them."""
+    model_config = vllm_config.model_config
+    sched = vllm_config.scheduler_config
+    spec = vllm_config.speculative_config
+    decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    comp = vllm_config.compilation_config
+    parallel = vllm_config.parallel_config
+    features = set()
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        features.add("hisparse")
+    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        features.add("dcp")
+    return EngineLimits(
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
+        max_prefill_tokens=sched.max_num_batched_tokens,
+        cuda_graphs=(not model_config.enforce_eager and comp.cudagraph_mode is not None
+                     and comp.cudagraph_mode.has_full_cudagraphs()),
+        features=frozenset(features),
+    )
+
+
+def model_and_settings(vllm_config: Any, hf_config: Any) -> tuple[Any, Any]:
+    """The model's facts from ``hf_config`` (named and archited as vLLM serves it) and the plugin
+    settings for it (``--additional-config mla_sm120``, then the environment's config)."""
+    model_config = vllm_config.model_config
+    reg = get_registry()
+    facts = facts_from_hf_config(hf_config, name=str(model_config.model), registry=reg)
+    if model_config.architectures:
+        facts = dataclasses.replace(facts, arch=model_config.architectures[0])
+    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return facts, plugin_config(inline, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
+
+
+def _text_config(vllm_config: Any) -> Any:
+    """The text model's config (a DSA model's geometry is there; the reader looks into a
+    ``text_config`` itself, so DeepSeek-V4's whole config is read as given)."""
+    model_config = vllm_config.model_config
+    return model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
+
+
+def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
+    """The DSA selection context for vLLM's config on a device of capability ``major.minor``."""
+    facts, settings = model_and_settings(vllm_config, _text_config(vllm_config))
+    return build_context(facts, settings, device_mod.from_capability(major, minor), kv_cache_dtype,
+                         engine_limits(vllm_config))
+
+
+def device_capability() -> tuple[int, int]:
+    """This GPU's compute capability, as vLLM's platform reports it.
+
+    :raises UnsupportedConfiguration: the platform reports none.
+    """
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability()
+    if cap is None:
+        raise UnsupportedConfiguration(format_error(
+            "--attention-backend CUSTOM: vLLM's platform reports no GPU compute capability",
+            "an NVIDIA SM120/SM121 GPU", "run on an SM12x GPU, or serve without --attention-backend CUSTOM"))
+    return cap.major, cap.minor
+
+
+def plan_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, capability: tuple[int, int],
+                   hf_config: Any = None) -> Plan:
+    """The plan (layer kind -> decision) for vLLM's config on a device of ``capability``.
+
+    :param kv_cache_dtype: the cache dtype as the layer sees it (the selector's for a DSA layer,
+        the cache config's for DeepSeek-V4).
+    :param hf_config: the config the layer is built from: the text model's by default (a DSA
+        layer's); DeepSeek-V4's binding passes the whole config (V4.1's layer list may sit under its
+        ``text_config``, which the reader looks into).
+    :raises UnsupportedConfiguration: some (layer kind, phase) cannot be served, or the device, TP
+        size or KV dtype cannot (given / supported / fix, as ``mla-sm120 check`` says it).
+    :raises ConfigError: the plugin config (inline or file) is malformed.
+    """
+    facts, settings = model_and_settings(vllm_config, _text_config(vllm_config) if hf_config is None else hf_config)
+    spec = vllm_config.speculative_config
+    drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
+    # vLLM widens DeepSeek-V4 decode window rows for a non-causal (DSpark) draft only
+    # (_required_sm120_sparse_topk); a DSA plan's decode bound (engine_limits) carries the drafts.
+    non_causal = bool(getattr(vllm_config.attention_config, "use_non_causal", False)) and spec is not None
+    return plan(facts, settings, device_mod.from_capability(*capability), kv_cache_dtype,
+                engine_limits(vllm_config), speculative_tokens=drafts, dspark=non_causal, registry=get_registry())
