@@ -356,8 +356,7 @@ def _own_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .context import ENGINES
-    from .engines import SGLANG, VLLM
+    from .engines import ENGINES, SGLANG, VLLM
 
     parser = argparse.ArgumentParser(prog="mla-sm120", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"mla-sm120 {_own_version()}")
@@ -367,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
     check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
     check.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (divides the heads)")
-    check.add_argument("--engine", choices=ENGINES, default="vllm",
+    check.add_argument("--engine", choices=tuple(ENGINES), default="vllm",
                        help="the engine you will serve with: its --kv-cache-dtype spellings and how its cache "
                             "writer stores fp8 scales (SGLang: amax/448 for every model) (default vllm)")
     check.add_argument("--kv-cache-dtype",

@@ -21,8 +21,6 @@ from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, Dsv4Call, SelectionContext
 
-ENGINES = tuple(engines_mod.ENGINES)
-
 
 def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None,
               rope: int = ROPE_DIM) -> str:
