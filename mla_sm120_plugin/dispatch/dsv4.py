@@ -21,6 +21,12 @@ from ..errors import KernelInputError, format_error
 from ..kernels.dsv4 import layout
 
 REC = layout.FP8_RECORD
+INT32_MAX = 2**31 - 1
+# Keywords FlashInfer's SM120 "sparse" route accepts for call-site compatibility and does not read
+# (its queries are per token and the index rows alone decide what each sees): taken and ignored.
+IGNORED_KEYWORDS = ("cum_seq_lens_q", "max_q_len", "enable_pdl")
+# backend -> the kv_cache_format values it serves here ("cake" is FlashInfer's NVFP4 reader route).
+BACKENDS = {"auto": ("fp8", "nvfp4"), "sparse": ("fp8", "nvfp4"), "cake": ("nvfp4",)}
 # FlashInfer's kv_cache_format -> the record it names.
 RECORD_OF_FORMAT = {fmt: layout.RECORDS[name] for name, fmt in layout.FLASHINFER_FORMAT.items()}
 
@@ -53,6 +59,13 @@ def pages_of(name: str, cache: torch.Tensor, kv_layout: str,
     if cache.stride(-1) != 1 or page_size * record.token_bytes > cache.stride(0) and cache.shape[0] > 1:
         raise _bad(name, f"strides {cache.stride()}", f"contiguous records, pages >= {page_size} x {record.token_bytes} "
                    "bytes apart", "pass the engine's cache view")
+    # The kernels read a page as P packed records (data rows, then the scale footer): a view whose
+    # token axis steps by another amount describes other bytes, which would be read as packed.
+    token_axis = 2 if cache.dim() == 4 and kv_layout == "HND" else 1
+    if page_size > 1 and cache.stride(token_axis) != record.token_bytes:
+        raise _bad(name, f"a token stride of {cache.stride(token_axis)} bytes (strides {cache.stride()})",
+                   f"{record.token_bytes} bytes a token: a page's P records packed, pages any stride apart",
+                   "pass the engine's cache view of its page-major pool, not a gathered or padded-row one")
     rows = cache.as_strided((cache.shape[0], page_size * record.token_bytes), (cache.stride(0), 1))
     return rows, page_size
 
@@ -64,6 +77,10 @@ def index_rows(name: str, indices: torch.Tensor, tokens: int) -> torch.Tensor:
     if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype not in (torch.int32, torch.int64):
         raise _bad(name, f"shape {tuple(indices.shape)}, dtype {indices.dtype}",
                    f"[{tokens}, 1, K] or [{tokens}, K] int32 global slots (-1 pads)", "pass one index row a query token")
+    if indices.dtype == torch.int64:
+        # Narrowing keeps the low 32 bits (2**32 + 18 would become slot 18): an id no int32 holds is
+        # outside every cache, so it is masked like any out-of-range id, on the device, before.
+        indices = torch.where((indices < 0) | (indices > INT32_MAX), -1, indices)
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
         indices = indices.to(torch.int32).contiguous()
     return indices
@@ -100,7 +117,8 @@ def triton_dsv4(
     :param query: [T, H, 512] bfloat16, after the layer's norm and rope (H: the engine's padded heads).
     :param swa_kv_cache: [pages, P, 1, 584] uint8 window cache (NHD; see :func:`pages_of`).
     :param workspace_buffer: unused (the kernel keeps no split-K scratch).
-    :param sparse_indices: [T, 1, W] int32 global window slots (``page * P + row``), -1 padded.
+    :param sparse_indices: [T, 1, W] int32 global window slots (``page * P + row``), -1 padded (int64
+        rows are narrowed, ids no int32 holds masked first).
     :param compressed_kv_cache: [pages, P_c, 1, 584] uint8 compressed cache, or None (window-only layer).
     :param out: [T, H, 512] bfloat16 output, or None (allocated).
     :param bmm1_scale: the softmax scale (512 ** -0.5), a Python float.
@@ -112,9 +130,15 @@ def triton_dsv4(
     :param extra_sparse_topk_lens: [T] int32, or None.
     :param kv_cache_format: ``"fp8"`` (the 584-byte record) or ``"nvfp4"`` (the 384-byte one: caches
         ``[pages, P, 1, 384]``).
+    :param backend: ``"auto"`` or ``"sparse"``; ``"cake"`` (FlashInfer's NVFP4 reader route) with
+        ``kv_cache_format="nvfp4"``: the same result from this kernel.
+    :param unsupported: ``cum_seq_lens_q``, ``max_q_len`` and ``enable_pdl`` are taken and ignored,
+        as FlashInfer's SM120 route does; any other keyword FlashInfer has (TRT-LLM, HCA, storage
+        offsets, ``seq_lens`` / ``sparse_topk_lens``) would change the result, and is refused when set.
     :returns: ``out``.
     :raises KernelInputError: an argument outside this surface (named, with what is accepted).
     """
+    ignored = {k: unsupported.pop(k) for k in IGNORED_KEYWORDS if k in unsupported}
     given = sorted(k for k, v in unsupported.items() if v is not None)
     if given:
         raise _bad(", ".join(given), "set", "the SM120 sparse surface (no TRT-LLM / HCA / storage-offset arguments)",
@@ -123,8 +147,14 @@ def triton_dsv4(
     if record is None:
         raise _bad("kv_cache_format", repr(kv_cache_format), "'fp8' (the 584-byte record) or 'nvfp4' (the 384-byte one)",
                    "serve this cache with FlashInfer's own kernel")
-    if backend not in ("auto", "sparse"):
-        raise _bad("backend", repr(backend), "'auto' or 'sparse'", "leave backend at 'auto'")
+    if kv_cache_format not in BACKENDS.get(backend, ()):
+        accepted = "; ".join(f"{b!r} with kv_cache_format {' or '.join(map(repr, f))}" for b, f in BACKENDS.items())
+        raise _bad("backend", f"{backend!r} with kv_cache_format={kv_cache_format!r}", accepted,
+                   "leave backend at 'auto'")
+    if backend == "cake" and ignored.get("enable_pdl"):
+        # FlashInfer's NVFP4 cake route refuses it too: the same call must fail the same way here.
+        raise _bad("enable_pdl", "True with backend='cake'", "None or False (FlashInfer's NVFP4 cake route "
+                   "has no programmatic dependent launch)", "leave enable_pdl unset")
     if sparse_indices is None:
         raise _bad("sparse_indices", "None", "[T, 1, W] int32 window slots", "pass the window's index rows")
     if (compressed_kv_cache is None) != (extra_sparse_indices is None):

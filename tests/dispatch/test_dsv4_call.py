@@ -184,3 +184,83 @@ def test_the_self_check_runs_on_the_plans_record():
     bad = selfcheck.check(selfcheck.engine_kernel(TRITON_DSV4, _one_percent_off), phase="both",
                           kv_layout=layout.NVFP4_DSV4, num_heads=32, window_page=64, extra_page=2, device=CPU)
     assert not bad.passed and "relRMS" in bad.error
+
+
+def _small_call(**overrides):
+    """A two-cache call on the engines' views, and the oracle's answer for it."""
+    gen = torch.Generator().manual_seed(11)
+    swa, swa_pages = _engine_view(2, 64, 0, 1)
+    comp, comp_pages = _engine_view(8, 2, 0, 2)
+    q = (torch.randn(2, 8, 512, generator=gen) / 4).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 128, (2, 1, 10), generator=gen, dtype=torch.int32)
+    comp_idx = torch.randint(0, 16, (2, 1, 6), generator=gen, dtype=torch.int32)
+    kwargs = dict(query=q, swa_kv_cache=swa, sparse_indices=swa_idx, compressed_kv_cache=comp,
+                  extra_sparse_indices=comp_idx, bmm1_scale=512**-0.5, kv_layout="NHD")
+    kwargs.update(overrides)
+    want = oracle_attention(q, [(swa_pages, kwargs["sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 64),
+                                (comp_pages, kwargs["extra_sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 2)],
+                            None)
+    return kwargs, want
+
+
+def test_int64_ids_no_int32_holds_are_masked_not_wrapped():
+    """2**32 + 18 narrowed to int32 keeps its low bits (slot 18); it is outside every cache and must
+    count as an out-of-range id: the same output as the oracle masking it."""
+    kwargs, _ = _small_call()
+    wide = kwargs["sparse_indices"].to(torch.int64)
+    wide[0, 0, :3] = torch.tensor([2**32 + 18, 2**40 + 5, -(2**33) + 7])
+    comp_wide = kwargs["extra_sparse_indices"].to(torch.int64)
+    comp_wide[1, 0, 0] = 2**32 + 1
+    kwargs, want = _small_call(sparse_indices=wide, extra_sparse_indices=comp_wide)
+    got = dsv4.triton_dsv4(**kwargs)
+    assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
+    # what narrowing alone would have read: slot 18 and friends, a different answer
+    wrapped = wide.to(torch.int32)
+    assert int(wrapped[0, 0, 0]) == 18
+    wrong = dsv4.triton_dsv4(**dict(kwargs, sparse_indices=wrapped, extra_sparse_indices=comp_wide.to(torch.int32)))
+    assert EXACT_CLASS_BOUND.violations(measure(wrong, want)) != []
+
+
+def test_a_token_stride_other_than_the_records_is_refused():
+    pool = pack.new_cache(2, 64, page_stride=2 * REC.page_bytes(64))
+    padded = pool.as_strided((2, 32, 1, REC.token_bytes), (pool.stride(0), 2 * REC.token_bytes, REC.token_bytes, 1))
+    kwargs, _ = _small_call(swa_kv_cache=padded)
+    with pytest.raises(KernelInputError) as err:
+        dsv4.triton_dsv4(**kwargs)
+    assert str(err.value).startswith("given: swa_kv_cache: a token stride of 1168 bytes")
+    assert "584 bytes a token" in str(err.value)
+
+
+def test_flashinfers_ignored_keywords_are_taken_and_change_nothing():
+    kwargs, want = _small_call()
+    plain = dsv4.triton_dsv4(**kwargs)
+    got = dsv4.triton_dsv4(**kwargs, cum_seq_lens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_q_len=1,
+                           enable_pdl=True)
+    assert torch.equal(got, plain)
+    assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
+    with pytest.raises(KernelInputError) as err:  # read by TRT-LLM, dropped by FlashInfer's SM120 route: refused
+        dsv4.triton_dsv4(**kwargs, seq_lens=torch.tensor([5, 5], dtype=torch.int32))
+    assert str(err.value).startswith("given: seq_lens: set")
+
+
+def test_the_cake_backend_is_flashinfers_nvfp4_route_and_nothing_else():
+    rec = layout.NVFP4_RECORD
+    pool = pack.new_cache(2, 64, record=rec)
+    rows = torch.randn(128, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    pack.write(pool, rows, torch.arange(128), 64, record=rec)
+    view = pool.as_strided((2, 64, 1, rec.token_bytes), (pool.stride(0), rec.token_bytes, rec.token_bytes, 1))
+    q = (torch.randn(2, 8, 512, generator=torch.Generator().manual_seed(6)) / 4).to(torch.bfloat16)
+    idx = torch.randint(-1, 130, (2, 1, 12), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    call = dict(query=q, swa_kv_cache=view, sparse_indices=idx, bmm1_scale=512**-0.5, kv_layout="NHD",
+                kv_cache_format="nvfp4")
+    got = dsv4.triton_dsv4(**call, backend="cake")
+    assert torch.equal(got, dsv4.triton_dsv4(**call))
+    want = oracle_attention(q, [(pool, idx[:, 0], None, 64)], None, record="nvfp4")
+    assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
+    with pytest.raises(KernelInputError) as err:  # FlashInfer's cake route refuses PDL with NVFP4
+        dsv4.triton_dsv4(**call, backend="cake", enable_pdl=True)
+    assert str(err.value).startswith("given: enable_pdl: True with backend='cake'")
+    kwargs, _ = _small_call()
+    with pytest.raises(KernelInputError) as err:  # cake reads the NVFP4 record only
+        dsv4.triton_dsv4(**kwargs, backend="cake")
+    assert str(err.value).startswith("given: backend: 'cake' with kv_cache_format='fp8'")
