@@ -2,8 +2,8 @@
 
 Both kernels take the same runtime arguments and run one program per (query token, block of
 ``BLOCK_H`` heads, split of the top-k candidates): the slot-id and row-offset helpers, the
-epilogue (normalize, apply the sink, store the output and the LSE), the combine kernel that merges
-split partials, the host-side launch builder (:func:`launches`) and the call driver
+epilogue (normalize, then :mod:`..shared.combine`'s finalize: the sink, the output and the LSE),
+the host-side launch builder (:func:`launches`) and the call driver
 (:func:`run_plan`: checks, output allocation, the config from :mod:`.triton_plan`) live here.
 A kernel module keeps only its own inner loop and its constexprs. See docs/kernels.md, section
 ``kernels/dsa/triton_parts.py``.
@@ -21,7 +21,8 @@ from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton_plan as plan
 from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, cdiv, interpreting
-from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, store_rounded
+from mla_sm120_plugin.kernels.shared.combine import DTYPE_NAMES, combine_launch, finalize
+from mla_sm120_plugin.kernels.shared.triton import Launch
 
 # What the kernels' structure assumes of every layout (checked per call by layout_constexprs):
 # a 512-wide latent in four 128-wide tiles (four accumulators), and fp8 tile scales right after it.
@@ -35,16 +36,9 @@ FP8_SCALE_OFF: tl.constexpr = tl.constexpr(layout.FP8_SCALE_OFFSET)
 UNSPECIALIZED_MAIN = ("topk_len_stride", "has_topk_len", "sink_stride", "has_sink", "write_lse",
                       "page_magic", "page_shift", "page_size", "num_slots", "topk", "num_heads",
                       "blocks_per_split")
-UNSPECIALIZED_COMBINE = ("sink_stride", "has_sink", "write_lse", "num_heads", "num_splits")
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 _PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# The combine kernel reads only fp32 partials; 16 heads x 512 columns in 4 warps keeps it far
-# from spilling, whatever head block the main kernel used.
-COMBINE_BLOCK_H = 16
-COMBINE_WARPS = 4
-COMBINE_STAGES = 2
 
 # fp8 rows hold fp32 scales at byte 512 of each row: a GPU loads them as 4-byte words, which fault
 # (misaligned address) where a row does not start on a 4-byte boundary; the interpreter reads them
@@ -155,36 +149,6 @@ def kv_tile(kv_ptr, row_off, valid, cols, TRANS: tl.constexpr):
 
 
 @triton.jit
-def finalize(
-    out_ptr, out_row, out_stride_h, lse_ptr, lse_row, lse_stride_h,
-    sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
-    heads, h_mask, lse2, acc0, acc1, acc2, acc3,
-):
-    """Apply the sink, store the normalized output tiles (in out's dtype) and the LSE.
-
-    ``acc*`` are already normalized (0 for a row with no valid candidate); ``lse2`` is base 2 and
-    is stored times ``lse_scale`` (1 for base 2, ln 2 for natural log).
-    """
-    if has_sink:
-        sink = tl.load(sink_ptr + heads * sink_stride, mask=h_mask, other=0.0)
-        # 1 / (1 + exp(sink - lse)) in base 2; lse2 = -inf gives exp2(inf) = inf and a factor 0.
-        factor = (1.0 / (1.0 + tl.math.exp2(sink * LOG2E_K - lse2)))[:, None]
-        acc0 = acc0 * factor
-        acc1 = acc1 * factor
-        acc2 = acc2 * factor
-        acc3 = acc3 * factor
-    col = tl.arange(0, TILE)
-    ptrs = out_ptr + out_row + heads[:, None].to(tl.int64) * out_stride_h + col[None, :]
-    mask = h_mask[:, None]
-    store_rounded(ptrs, acc0, mask)
-    store_rounded(ptrs + TILE, acc1, mask)
-    store_rounded(ptrs + 2 * TILE, acc2, mask)
-    store_rounded(ptrs + 3 * TILE, acc3, mask)
-    if write_lse:
-        tl.store(lse_ptr + lse_row + heads * lse_stride_h, lse2 * lse_scale, mask=h_mask)
-
-
-@triton.jit
 def epilogue(
     out_ptr, out_stride_t, out_stride_s, out_stride_h,
     lse_ptr, lse_stride_t, lse_stride_s, lse_stride_h,
@@ -212,53 +176,6 @@ def epilogue(
             sink_ptr, sink_stride, 0, 1, 1.0,
             heads, h_mask, lse2, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l,
         )
-
-
-@triton.jit(do_not_specialize=UNSPECIALIZED_COMBINE)
-def _combine_kernel(
-    part_ptr, part_stride_t, part_stride_s, part_stride_h,
-    plse_ptr, plse_stride_t, plse_stride_s, plse_stride_h,
-    sink_ptr, sink_stride, has_sink,
-    out_ptr, out_stride_t, out_stride_h,
-    lse_ptr, lse_stride_t, lse_stride_h, write_lse, lse_scale,
-    num_heads, num_splits,
-    BLOCK_H: tl.constexpr,
-):
-    """Merge the splits of one (token, head block): weights exp2(lse_s - max), renormalized."""
-    tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
-    col = tl.arange(0, TILE)
-    plse_row = plse_ptr + tok * plse_stride_t + heads * plse_stride_h
-
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    part_rows = part_ptr + tok * part_stride_t + heads[:, None].to(tl.int64) * part_stride_h + col[None, :]
-    for s in range(num_splits):
-        w = tl.math.exp2(tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")) - m_safe)
-        total += w  # w is 0 for an empty split
-        ptrs = part_rows + s * part_stride_s
-        acc0 += w[:, None] * tl.load(ptrs, mask=h_mask[:, None], other=0.0)
-        acc1 += w[:, None] * tl.load(ptrs + TILE, mask=h_mask[:, None], other=0.0)
-        acc2 += w[:, None] * tl.load(ptrs + 2 * TILE, mask=h_mask[:, None], other=0.0)
-        acc3 += w[:, None] * tl.load(ptrs + 3 * TILE, mask=h_mask[:, None], other=0.0)
-
-    has_any = total > 0.0
-    inv = tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)[:, None]
-    lse2 = tl.where(has_any, m_safe + tl.math.log2(tl.where(has_any, total, 1.0)), float("-inf"))
-    finalize(
-        out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h,
-        sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
-        heads, h_mask, lse2, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv,
-    )
 
 
 def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
@@ -314,31 +231,6 @@ def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_sc
     if final:
         return [main]
     return [main, combine_launch(dest, dest_lse, sink=sink, out=out, lse=lse, lse_scale=lse_scale)]
-
-
-def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launch:
-    """The combine of ``partials`` ([T, S, H, 512], fp32 or bf16) and their base-2 LSE ([T, S, H])
-    into ``out`` (and ``lse``, times ``lse_scale``, when given); shared by both Triton kernels."""
-    num_tokens, num_splits, num_heads, _ = partials.shape
-    has_sink = sink is not None
-    lse_arg = lse if lse is not None else partial_lse
-    return Launch(
-        kernel=_combine_kernel,
-        grid=(num_tokens, cdiv(num_heads, COMBINE_BLOCK_H)),
-        args=(
-            partials, *partials.stride()[:3],
-            partial_lse, *partial_lse.stride(),
-            sink if has_sink else partials, sink.stride(0) if has_sink else 0, int(has_sink),
-            out, out.stride(0), out.stride(1),
-            lse_arg, lse_arg.stride(0), lse_arg.stride(-1), int(lse is not None), lse_scale,
-            num_heads, num_splits,
-        ),
-        constexprs=dict(BLOCK_H=COMBINE_BLOCK_H),
-        num_warps=COMBINE_WARPS,
-        num_stages=COMBINE_STAGES,
-        describe=dict(kernel="combine", part=DTYPE_NAMES[partials.dtype], out=DTYPE_NAMES[out.dtype],
-                      block_h=COMBINE_BLOCK_H, warps=COMBINE_WARPS, stages=COMBINE_STAGES),
-    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,10 +23,13 @@ from dataclasses import dataclass, replace
 
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.shared.host import cdiv
+# The rule and the GPU families are shared with DeepSeek-V4's plan; re-exported under their names here.
+from mla_sm120_plugin.kernels.shared.launch_plan import (  # noqa: F401
+    DEFAULT_FAMILY, EXTRA_FRACTION, FAMILIES, LATENCY_US, ArchFamily, Traffic, bucket as _bucket, family_of,
+    split_rule,
+)
 
 MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
-EXTRA_FRACTION = 0.2  # bytes splitting may add, as a fraction of the unsplit launch's bytes ...
-LATENCY_US = 1.0  # ... or what the GPU moves in this long (a loaded DRAM round trip), if more
 
 _PARTIAL_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -84,86 +87,9 @@ FAST = KernelShape("triton_sparse_mla_fast", 16, 32, 8, 2, None, "fp32", {"sm120
 KERNELS = {k.name: k for k in (EXACT, FAST)}
 
 
-@dataclass(frozen=True)
-class ArchFamily:
-    """A GPU family the table is computed for: a representative part's SM count and bandwidth.
-
-    name: "sm120", "sm121" or "sm90"
-    part: the representative GPU
-    num_sms: its SM count
-    bandwidth_gbps: its DRAM bandwidth, GB/s
-    """
-
-    name: str
-    part: str
-    num_sms: int
-    bandwidth_gbps: float
-
-    @property
-    def latency_bytes(self) -> float:
-        """Bytes the GPU moves in :data:`LATENCY_US`: below this a launch is latency bound."""
-        return self.bandwidth_gbps * 1e9 * LATENCY_US * 1e-6
-
-
-FAMILIES = {
-    "sm120": ArchFamily("sm120", "RTX 5090", 170, 1792.0),  # RTX PRO 6000: 188 SMs, same bandwidth
-    "sm121": ArchFamily("sm121", "DGX Spark GB10", 48, 273.0),
-    "sm90": ArchFamily("sm90", "H200", 132, 4800.0),  # the device sweep's GPU (H100: 3350 GB/s)
-}
-DEFAULT_FAMILY = "sm120"
-
 HEAD_BUCKETS = (8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TOPK_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
-
-
-def family_of(major: int, minor: int) -> str:
-    """The table's family for a compute capability (SM121 is its own row: 48 SMs, 273 GB/s)."""
-    if major == 12:
-        return "sm121" if minor == 1 else "sm120"
-    if major == 9:
-        return "sm90"
-    return DEFAULT_FAMILY
-
-
-def _bucket(value: int, edges: tuple[int, ...]) -> int:
-    for edge in edges:
-        if value <= edge:
-            return edge
-    return edges[-1]
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes one call's launches move, by kind, with nothing reused across programs.
-
-    cache: cache rows, once per (token, head block)
-    q: q, once per program (every split reloads its heads)
-    indices: index ranges, plus the step each split prefetches past its end
-    partials: split partials and their LSE, written and read back (0 for one split)
-    output: out (and nothing for lse, which is 4 bytes a head)
-    minimum: cache rows + q + indices + output, each once
-    """
-
-    cache: int
-    q: int
-    indices: int
-    partials: int
-    output: int
-    minimum: int
-
-    @property
-    def total(self) -> int:
-        return self.cache + self.q + self.indices + self.partials + self.output
-
-    @property
-    def ratio(self) -> float:
-        return self.total / self.minimum
-
-    def as_dict(self) -> dict:
-        return dict(cache=self.cache, q=self.q, indices=self.indices, partials=self.partials,
-                    output=self.output, total=self.total, minimum=self.minimum, ratio=round(self.ratio, 4),
-                    partials_over_cache=round(self.partials / self.cache, 4))
 
 
 def row_bytes_read(kv_layout: str) -> int:
@@ -203,30 +129,15 @@ def _split(kernel: KernelShape, topk: int, chunk: int) -> LaunchConfig:
 
 def choose_chunk(kernel: KernelShape, family: ArchFamily, num_tokens: int, num_heads: int,
                  topk: int, kv_layout: str = layout.FP8_DS_MLA) -> tuple[int, str]:
-    """Candidates per split for this shape over a ``kv_layout`` cache, by the rule in the module
-    docstring, and why."""
+    """Candidates per split for this shape over a ``kv_layout`` cache, by the shared rule
+    (:func:`~mla_sm120_plugin.kernels.shared.launch_plan.split_rule`), and why."""
     blocks = cdiv(max(topk, 1), kernel.block_k)
-    programs = num_tokens * cdiv(num_heads, kernel.block_h)
-    slots = family.num_sms * kernel.ctas_per_sm[family.name]
-    wave = min(cdiv(slots, programs), blocks, MAX_SPLITS)
-    unsplit = traffic(kernel.config(), num_tokens, num_heads, topk, kv_layout=kv_layout)
-    budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
-    splits, cfg = 1, kernel.config(1, blocks)
-    for wanted in range(wave, 1, -1):
-        candidate = _split(kernel, topk, cdiv(blocks, wanted) * kernel.block_k)
-        if traffic(candidate, num_tokens, num_heads, topk, kv_layout=kv_layout).total - unsplit.total <= budget:
-            splits, cfg = candidate.num_splits, candidate
-            break
-    chunk = cfg.blocks_per_split * kernel.block_k
-    if splits == 1:
-        why = (f"{programs} programs fill {slots} CTA slots" if wave <= 1
-               else f"no split fits the byte budget ({budget / 1e6:.2f} MB)")
-    else:
-        extra = traffic(cfg, num_tokens, num_heads, topk, kv_layout=kv_layout).total - unsplit.total
-        why = (f"{splits} splits: {programs} programs x {splits} ~ {slots} CTA slots"
-               if splits == wave else f"{splits} splits (a wave wants {wave}): the byte budget")
-        why += f"; splitting adds {extra / 1e6:.2f} of <= {budget / 1e6:.2f} MB"
-    return chunk, why
+    _, per_split, why = split_rule(
+        family, programs=num_tokens * cdiv(num_heads, kernel.block_h), ctas_per_sm=kernel.ctas_per_sm[family.name],
+        blocks=blocks, max_splits=MAX_SPLITS,
+        traffic_of=lambda splits, per: traffic(kernel.config(splits, per), num_tokens, num_heads, topk,
+                                               kv_layout=kv_layout))
+    return per_split * kernel.block_k, why
 
 
 @functools.cache

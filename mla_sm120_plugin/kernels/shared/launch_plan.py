@@ -1,0 +1,133 @@
+"""The launch-plan rule every Triton kernel's split count comes from (pure Python: no torch, no triton).
+
+A call is cut into programs of (query token, head block, split of the candidates); only the split
+count is chosen, from shapes alone (never live lengths or any tensor's values, so a CUDA graph
+captured at a shape replays the same grid). :func:`split_rule` is the one rule: fill one wave of
+resident CTAs on the family's reference part, pay for splits only in bytes that cost no time,
+whole steps per split. Each family models its own bytes (:class:`Traffic`): the DSA plans in
+``kernels/dsa/triton_plan.py``, DeepSeek-V4's in ``kernels/dsv4/plan.py``.
+
+Why and how the budget is set: docs/kernels.md, section ``kernels/shared/launch_plan.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from mla_sm120_plugin.kernels.shared.host import cdiv
+
+EXTRA_FRACTION = 0.2  # bytes splitting may add, as a fraction of the unsplit launch's bytes ...
+LATENCY_US = 1.0  # ... or what the GPU moves in this long (a loaded DRAM round trip), if more
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """A GPU family the tables are computed for: a representative part's SM count and bandwidth.
+
+    name: "sm120", "sm121" or "sm90"
+    part: the representative GPU
+    num_sms: its SM count
+    bandwidth_gbps: its DRAM bandwidth, GB/s
+    """
+
+    name: str
+    part: str
+    num_sms: int
+    bandwidth_gbps: float
+
+    @property
+    def latency_bytes(self) -> float:
+        """Bytes the GPU moves in :data:`LATENCY_US`: below this a launch is latency bound."""
+        return self.bandwidth_gbps * 1e9 * LATENCY_US * 1e-6
+
+    def seconds(self, num_bytes: float) -> float:
+        """How long moving ``num_bytes`` takes at the part's DRAM bandwidth."""
+        return num_bytes / (self.bandwidth_gbps * 1e9)
+
+
+FAMILIES = {
+    "sm120": ArchFamily("sm120", "RTX 5090", 170, 1792.0),  # RTX PRO 6000: 188 SMs, same bandwidth
+    "sm121": ArchFamily("sm121", "DGX Spark GB10", 48, 273.0),
+    "sm90": ArchFamily("sm90", "H200", 132, 4800.0),  # the device sweep's GPU (H100: 3350 GB/s)
+}
+DEFAULT_FAMILY = "sm120"
+
+
+def family_of(major: int, minor: int) -> str:
+    """The tables' family for a compute capability (SM121 is its own row: 48 SMs, 273 GB/s)."""
+    if major == 12:
+        return "sm121" if minor == 1 else "sm120"
+    if major == 9:
+        return "sm90"
+    return DEFAULT_FAMILY
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> int:
+    """The first edge >= ``value`` (the last edge for a larger one)."""
+    for edge in edges:
+        if value <= edge:
+            return edge
+    return edges[-1]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one call's launches move, by kind, with nothing reused across programs.
+
+    cache: cache rows, once per (token, head block)
+    q: q, once per program (every split reloads its heads)
+    indices: index rows (plus, where a kernel prefetches, the step each split loads past its end)
+    partials: split partials and their LSE, written and read back (0 for one split)
+    output: out (and nothing for lse, which is 4 bytes a head)
+    minimum: cache rows + q + indices + output, each once
+    """
+
+    cache: int
+    q: int
+    indices: int
+    partials: int
+    output: int
+    minimum: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.q + self.indices + self.partials + self.output
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.minimum
+
+    def as_dict(self) -> dict:
+        return dict(cache=self.cache, q=self.q, indices=self.indices, partials=self.partials,
+                    output=self.output, total=self.total, minimum=self.minimum, ratio=round(self.ratio, 4),
+                    partials_over_cache=round(self.partials / self.cache, 4) if self.cache else 0.0)
+
+
+def split_rule(family: ArchFamily, *, programs: int, ctas_per_sm: int, blocks: int, max_splits: int,
+               traffic_of: Callable[[int, int], Traffic]) -> tuple[int, int, str]:
+    """Splits for a call of ``programs`` (token, head block) pairs over ``blocks`` candidate steps.
+
+    The wave: as many splits as fill the family's resident CTA slots once (at most one step a
+    split and ``max_splits``). The budget: splitting may add at most the smaller of the unsplit
+    cache bytes and the larger of :data:`EXTRA_FRACTION` of the unsplit bytes and what the GPU
+    moves in :data:`LATENCY_US`. The largest split count up to the wave whose extra bytes fit wins.
+
+    :param traffic_of: ``(num_splits, blocks_per_split) -> Traffic`` of the family's launches.
+    :returns: ``(num_splits, blocks_per_split, why)``.
+    """
+    slots = family.num_sms * ctas_per_sm
+    wave = min(cdiv(slots, programs), blocks, max_splits)
+    unsplit = traffic_of(1, blocks)
+    budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
+    for wanted in range(wave, 1, -1):
+        per_split = cdiv(blocks, wanted)
+        splits = cdiv(blocks, per_split)
+        extra = traffic_of(splits, per_split).total - unsplit.total
+        if extra <= budget:
+            why = (f"{splits} splits: {programs} programs x {splits} ~ {slots} CTA slots"
+                   if splits == wave else f"{splits} splits (a wave wants {wave}): the byte budget")
+            return splits, per_split, why + f"; splitting adds {extra / 1e6:.2f} of <= {budget / 1e6:.2f} MB"
+    why = (f"{programs} programs fill {slots} CTA slots" if wave <= 1
+           else f"no split fits the byte budget ({budget / 1e6:.2f} MB)")
+    return 1, blocks, why
