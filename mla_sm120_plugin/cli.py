@@ -291,12 +291,14 @@ def _bench(args: argparse.Namespace) -> int:
                                             "machine without a GPU"))
     if args.traffic:
         from .kernels.dsa import triton_plan
+        from .kernels.dsv4 import plan as dsv4_plan
 
         if args.json:
-            _emit(_json(triton_plan.json_report(args.traffic)))
+            _emit(_json({**triton_plan.json_report(args.traffic), "dsv4": dsv4_plan.json_report(args.traffic)}))
             return EXIT_OK
         _emit("\n\n".join([triton_plan.format_report(args.traffic),
-                            *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS)]))
+                            *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS),
+                            dsv4_plan.format_report(args.traffic)]))
         return EXIT_OK
     if args.compile_only:
         from .tools import compile_gate

@@ -18,6 +18,7 @@ DEVICE = "MLA_SM120_DEVICE"
 SGLANG = "MLA_SM120_SGLANG"
 SGLANG_CONFIG = "MLA_SM120_SGLANG_CONFIG"
 SGLANG_PLAN = "MLA_SM120_SGLANG_PLAN"
+SPLITS = "MLA_SM120_SPLITS"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ VARIABLES = (
              "scheduler processes)"),
     Variable(SGLANG_CONFIG, "a JSON object of plugin settings", "SGLang's inline plugin config (what "
              "--mla-sm120-config sets for the scheduler processes)"),
+    Variable(SPLITS, "a positive integer", "run triton_dsv4 with this many candidate ranges a (token, head block) "
+             "instead of its launch plan's (tests and hold-outs run the split path on any machine; the math is the same)"),
     Variable(SGLANG_PLAN, "set by the plugin", "the SGLang launcher's plan (each layer kind's selection context) for "
              "its scheduler processes", user=False),
 )

@@ -13,10 +13,12 @@ to one without translating the engine's metadata. Their self-check case is
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from .. import envs
 from ..errors import KernelInputError, format_error
 from ..kernels.dsv4 import layout
 
@@ -86,6 +88,24 @@ def index_rows(name: str, indices: torch.Tensor, tokens: int) -> torch.Tensor:
     return indices
 
 
+def _forced_splits(num_splits: int | None) -> int | None:
+    """``num_splits``, else ``MLA_SM120_SPLITS``'s value, else None (the plan's), checked."""
+    source = "num_splits"
+    if num_splits is None:
+        raw = os.environ.get(envs.SPLITS, "").strip()
+        if not raw:
+            return None
+        source = envs.SPLITS
+        try:
+            num_splits = int(raw)
+        except ValueError:
+            num_splits = raw  # type: ignore[assignment]
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise _bad(source, repr(num_splits), "a positive integer (candidate ranges a token and head block)",
+                   f"unset {envs.SPLITS} to run the launch plan's split")
+    return num_splits
+
+
 def _scale(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         # a device tensor would need a host sync; the engines pass Python floats
@@ -110,13 +130,15 @@ def triton_dsv4(
     *,
     kv_cache_format: str = "fp8",
     backend: str = "auto",
+    num_splits: int | None = None,
     **unsupported: Any,
 ) -> torch.Tensor:
     """The plugin's Triton DeepSeek-V4 kernel on FlashInfer's SM120 call surface.
 
     :param query: [T, H, 512] bfloat16, after the layer's norm and rope (H: the engine's padded heads).
     :param swa_kv_cache: [pages, P, 1, 584] uint8 window cache (NHD; see :func:`pages_of`).
-    :param workspace_buffer: unused (the kernel keeps no split-K scratch).
+    :param workspace_buffer: uint8 bytes the split partials are carved from where they fit (vLLM
+        passes FlashInfer's 128 MiB DeepSeek-V4 workspace), else they are allocated.
     :param sparse_indices: [T, 1, W] int32 global window slots (``page * P + row``), -1 padded (int64
         rows are narrowed, ids no int32 holds masked first).
     :param compressed_kv_cache: [pages, P_c, 1, 584] uint8 compressed cache, or None (window-only layer).
@@ -132,6 +154,8 @@ def triton_dsv4(
         ``[pages, P, 1, 384]``).
     :param backend: ``"auto"`` or ``"sparse"``; ``"cake"`` (FlashInfer's NVFP4 reader route) with
         ``kv_cache_format="nvfp4"``: the same result from this kernel.
+    :param num_splits: candidate ranges a (token, head block), instead of the launch plan's
+        (``MLA_SM120_SPLITS`` sets it for every call); None: the plan's.
     :param unsupported: ``cum_seq_lens_q``, ``max_q_len`` and ``enable_pdl`` are taken and ignored,
         as FlashInfer's SM120 route does; any other keyword FlashInfer has (TRT-LLM, HCA, storage
         offsets, ``seq_lens`` / ``sparse_topk_lens``) would change the result, and is refused when set.
@@ -160,6 +184,7 @@ def triton_dsv4(
     if (compressed_kv_cache is None) != (extra_sparse_indices is None):
         raise _bad("compressed_kv_cache / extra_sparse_indices", "only one of them", "both or neither",
                    "pass the compressed cache with its index rows")
+    num_splits = _forced_splits(num_splits)
     from ..kernels.dsv4.triton import dsv4_attention
 
     tokens = query.shape[0]
@@ -171,7 +196,8 @@ def triton_dsv4(
     result = dsv4_attention(query, swa, index_rows("sparse_indices", sparse_indices, tokens), swa_page,
                             sm_scale=_scale("bmm1_scale", bmm1_scale), swa_lengths=swa_topk_lens, extra_cache=extra,
                             extra_indices=extra_idx, extra_lengths=extra_sparse_topk_lens, extra_page_size=extra_page,
-                            sinks=sinks, out=out, record=record)
+                            sinks=sinks, out=out, record=record, num_splits=num_splits,
+                            workspace=workspace_buffer)
     scale2 = _scale("bmm2_scale", bmm2_scale)
     if scale2 != 1.0:
         result.mul_(scale2)

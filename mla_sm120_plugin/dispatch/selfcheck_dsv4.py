@@ -5,7 +5,7 @@ The case (:func:`build`) is the engines' call on FlashInfer's SM120 surface
 and the page sizes the engine's call passes: token 0 a full window row (with -1 and out-of-range
 ids) plus compressed slots, token 1 short rows, token 2 nothing valid (zeros), token 3 a window-only
 row; finite, -inf and +30 sinks; scale groups of different magnitude, so a wrong per-group scale
-shows. One case serves both phases (``phase="both"``, at the phase's q heads). The truth
+shows. The plugin's Triton kernel runs it twice: on its launch plan and on a forced split. One case serves both phases (``phase="both"``, at the phase's q heads). The truth
 (:func:`truth`) is the torch reference on a float64 q over the dequantized rows. The runner is
 :mod:`.selfcheck`.
 """
@@ -19,6 +19,7 @@ import torch
 from ..kernels.dsv4 import layout, pack
 from ..kernels.dsv4.reference import dsv4_attention_reference
 from ..types import PHASES, Decision
+from .catalog import TRITON_DSV4
 from .dsv4 import RECORD_OF_FORMAT, pages_of
 
 REC = layout.FP8_RECORD
@@ -30,6 +31,9 @@ BOTH = "both"  # one case for both phases
 ORDER = PHASES  # the phases in the order they are checked and logged: the plan table's
 # `doctor --self-check`'s pages: vLLM's window pages and C128A's 2-entry compressed pages.
 SWEEP_PAGES = (64, 2)
+# The forced split of the Triton kernel's second run: 3 ranges of the case's 48 + 40 candidates cut
+# inside the window row and across the window / compressed boundary.
+CHECK_SPLITS = 3
 
 
 def build(key: Any, device: torch.device) -> dict[str, Any]:
@@ -74,14 +78,25 @@ def build(key: Any, device: torch.device) -> dict[str, Any]:
     return moved
 
 
+def splits_checked(key: Any) -> tuple[int | None, ...]:
+    """The launch plans a kernel is run with: its own, and for the plugin's Triton kernel also a
+    forced split (:data:`CHECK_SPLITS` ranges: the partials and the combine), whatever its plan for
+    the case's shape would pick."""
+    return (None, CHECK_SPLITS) if key.kernel == TRITON_DSV4 else (None,)
+
+
 def run(kernel: Any, key: Any, inputs: dict[str, Any]) -> torch.Tensor:
-    """The kernel on the case, as the engines call it (FlashInfer gets the workspace vLLM gives it)."""
+    """The kernel on the case, as the engines call it (FlashInfer gets the workspace vLLM gives it),
+    once per :func:`splits_checked` plan, the outputs one after the other along the token axis."""
     device = torch.device(key.device)
     workspace = (torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
                  if device.type == "cuda" else None)
-    out = torch.empty_like(inputs["query"])
-    kernel.fn(workspace_buffer=workspace, out=out, **inputs)
-    return out
+    outs = []
+    for splits in splits_checked(key):
+        out = torch.empty_like(inputs["query"])
+        kernel.fn(workspace_buffer=workspace, out=out, **inputs, **({} if splits is None else {"num_splits": splits}))
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def truth(key: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -93,9 +108,10 @@ def truth(key: Any, inputs: dict[str, Any]) -> torch.Tensor:
         extra, extra_page = pages_of("compressed_kv_cache", inputs["compressed_kv_cache"], "NHD", record)
         kwargs.update(extra_cache=extra, extra_indices=inputs["extra_sparse_indices"][:, 0],
                       extra_lengths=inputs["extra_sparse_topk_lens"], extra_page_size=extra_page)
-    return dsv4_attention_reference(inputs["query"].double(), swa, inputs["sparse_indices"][:, 0], swa_page,
+    want = dsv4_attention_reference(inputs["query"].double(), swa, inputs["sparse_indices"][:, 0], swa_page,
                                     sm_scale=inputs["bmm1_scale"], swa_lengths=inputs["swa_topk_lens"],
                                     sinks=inputs["sinks"], **kwargs)
+    return torch.cat([want] * len(splits_checked(key)))
 
 
 def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: str) -> list[dict[str, Any]]:

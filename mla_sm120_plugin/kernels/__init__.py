@@ -8,10 +8,12 @@
 - :mod:`.dsv4`: DeepSeek-V4 attention over two paged caches in one call (a sliding window and a
   compressed cache) with per-head sinks: the 584-byte record as data (:mod:`.dsv4.layout`), its
   packer and dequantization (:mod:`.dsv4.pack`), the torch reference (:mod:`.dsv4.reference`), the
-  Triton kernel (:mod:`.dsv4.triton`) and the NVFP4 record's writers (:mod:`.dsv4.nvfp4_writer`).
+  Triton kernel (:mod:`.dsv4.triton`), its launch plan (:mod:`.dsv4.plan`) and the NVFP4 record's
+  writers (:mod:`.dsv4.nvfp4_writer`).
 - :mod:`.shared`: what both families use, beside them (neither family imports the other): the
-  launch record and the Triton numerics helpers (:mod:`.shared.triton`), the number formats in torch
-  (:mod:`.shared.formats`), pure host helpers (:mod:`.shared.host`). The DSA kernels' own shared
+  launch record and the Triton numerics helpers (:mod:`.shared.triton`), the one combine of split
+  partials (:mod:`.shared.combine`), the launch-plan rule (:mod:`.shared.launch_plan`), the number
+  formats in torch (:mod:`.shared.formats`), pure host helpers (:mod:`.shared.host`). The DSA kernels' own shared
   parts are :mod:`.dsa.triton_parts`. :mod:`.accuracy`: the metrics every kernel is measured and
   bounded in (cos_diff, relRMS, max error against float64). Design notes and measurements: docs/kernels.md; the external
   facts the code relies on: docs/facts.md.

@@ -11,7 +11,9 @@ CTAs per SM (:func:`ctas_per_sm`, from :data:`SM_LIMITS`).
 :func:`gate_failures` is the gate: every variant compiles, without spills (except where its caches
 are served only on other arches, :data:`SERVED_ONLY_ON`), within a block's shared memory; fast fp8
 variants on sm_120a/121a run their latent dots as ``QMMA.SF`` and fit the CTAs per SM the launch
-plan assumes, under the bundled ptxas and a CUDA >= 13 one (:func:`system_ptxas`). Used by
+plan assumes, under the bundled ptxas and a CUDA >= 13 one (:func:`system_ptxas`); on sm_120a/121a
+every streaming kernel keeps a DRAM latency's bytes in flight per SM (CTAs x candidates a step x
+row bytes x (stages - 1, at least 1) >= :func:`latency_bytes_per_sm`). Used by
 ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite. More:
 docs/kernels.md, section ``tools/compile_gate.py``.
 """
@@ -53,11 +55,10 @@ FP8_MMA_KIND = "QMMA.SF.16832.F32.E4M3.E4M3.E8"  # the full-rate (block-scaled) 
 # variants compile but spill (255 registers, 4-24 bytes: the e2m1 decode's extra live values), a cost
 # no served configuration pays.
 SERVED_ONLY_ON = {layout.NVFP4_DS_MLA: (120, 121)}
-# The DeepSeek-V4 kernel, and the warps an SM12x SM must hold resident (its launch puts one program
-# on each (token, 16-head block): decode grids are small, latency is hidden by a second resident
-# CTA of 4 warps, or one of 8).
 DSV4_KERNEL = "dsv4"
-DSV4_WARPS_PER_SM = 8
+# The main kernels whose loads must cover a DRAM latency on SM12x (the residency rule:
+# :func:`bytes_in_flight` >= :func:`latency_bytes_per_sm`); the combine and the writers read little.
+STREAMING_KERNELS = ("sparse_mla", FAST_KERNEL, DSV4_KERNEL)
 _REPRESENTATIVE_TOKENS = 4  # strides below come from a [4, H, 576] q; any T > 1 specializes the same
 _REPRESENTATIVE_HEADS = 40  # not a multiple of 16, so head strides specialize as in the worst case
 
@@ -108,17 +109,22 @@ def launches() -> list[Any]:
                     elif "cache" in launch.describe and cache_layout not in seen.describe["cache"].split("+"):
                         found[key] = dataclasses.replace(seen, describe={
                             **seen.describe, "cache": f"{seen.describe['cache']}+{cache_layout}"})
-    return list(found.values()) + dsv4_launches()
+    unique: dict[tuple, Any] = {}
+    for launch in [*found.values(), *dsv4_launches()]:
+        unique.setdefault(_compiled_identity(launch), launch)  # the combine both families share, once
+    return list(unique.values())
 
 
 def dsv4_launches() -> list[Any]:
     """The DeepSeek-V4 kernel's variants as the engines call it (lengths and sinks always given): the
     window cache alone and with a compressed cache, for each record it reads (the 584-byte fp8 one,
-    the 384-byte NVFP4 one); its page sizes and strides are runtime values."""
+    the 384-byte NVFP4 one), unsplit and split (with the combine); its page sizes, strides and the
+    split's range are runtime values."""
     import torch
 
     from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
     from mla_sm120_plugin.kernels.dsv4 import pack as dsv4_pack
+    from mla_sm120_plugin.kernels.dsv4 import plan as dsv4_plan
     from mla_sm120_plugin.kernels.dsv4 import triton as dsv4_triton
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
@@ -128,12 +134,13 @@ def dsv4_launches() -> list[Any]:
     for record in dsv4_layout.ALL_RECORDS.values():
         window = dsv4_pack.new_cache(2, 64, record=record)
         compressed = dsv4_pack.new_cache(2, 2, record=record)
-        for extra in (False, True):
+        base = dsv4_plan.shape_of(record).config
+        for extra, splits in ((False, 1), (True, 1), (False, 2), (True, 2)):
             for launch in dsv4_triton.launch_plan(
                     q, torch.empty_like(q), window, indices, 64, sm_scale=0.04, swa_lengths=lengths,
                     extra_cache=compressed if extra else None, extra_indices=indices if extra else None,
                     extra_lengths=lengths if extra else None, extra_page_size=2 if extra else None,
-                    sinks=torch.empty(heads), record=record):
+                    sinks=torch.empty(heads), record=record, cfg=base.split(splits, 3)):
                 found.append(dataclasses.replace(launch, describe={**launch.describe, "cache": record.name}))
     return found + dsv4_writer_launches()
 
@@ -287,7 +294,8 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
 
     row: dict[str, Any] = dict(variant=_describe(launch.describe), compiled=False, registers=None,
                                spill_bytes=None, spill_load_bytes=None, stack_bytes=None, shared_bytes=None,
-                               ctas_per_sm=None, ctas_limited_by=None, mma=None, global_loads=None,
+                               ctas_per_sm=None, ctas_limited_by=None, step_bytes=None, bytes_in_flight=None,
+                               mma=None, global_loads=None,
                                error=None, **launch.describe)
     try:
         signature, consts, attrs = _specialize(launch.kernel, list(launch.args), launch.constexprs, arch)
@@ -305,6 +313,10 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
         row["shared_bytes"] = int(compiled.metadata.shared)
         row["ctas_per_sm"], row["ctas_limited_by"] = ctas_per_sm(
             arch, row["cubin_registers"], launch.num_warps, row["shared_bytes"] + row["static_shared_bytes"])
+        # bytes in flight per SM: CTAs x one step's rows x the steps a pipelined loop keeps ahead
+        row["step_bytes"] = step_bytes(launch.describe)
+        if row["step_bytes"] is not None:
+            row["bytes_in_flight"] = row["ctas_per_sm"] * row["step_bytes"] * max(1, launch.num_stages - 1)
         row["compiled"] = True
     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is what this reports
         row["error"] = f"{type(exc).__name__}: {str(exc).strip()[-800:]}"
@@ -324,10 +336,11 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{r['variant']}: spills ({r['spill_bytes']} B spilled, {r['stack_bytes']} B stack)")
         if r["shared_bytes"] > ARCHES[arch]:
             failures.append(f"{r['variant']}: {r['shared_bytes']} B of shared memory > {ARCHES[arch]} B a block")
-        if (r["kernel"] == DSV4_KERNEL and arch in FP8_MMA_ARCHES
-                and r["ctas_per_sm"] * r["warps"] < DSV4_WARPS_PER_SM):
-            failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA of {r['warps']} warps per SM (< "
-                            f"{DSV4_WARPS_PER_SM} resident warps; limited by {r['ctas_limited_by']})")
+        if (r["kernel"] in STREAMING_KERNELS and arch in FP8_MMA_ARCHES
+                and (r.get("bytes_in_flight") or 0) < latency_bytes_per_sm(arch)):
+            failures.append(f"{r['variant']}: {r.get('bytes_in_flight')} B in flight per SM ({r['ctas_per_sm']} CTA x "
+                            f"{r.get('step_bytes')} B a step) < {latency_bytes_per_sm(arch):.0f} B, what the GPU moves "
+                            f"per SM in one DRAM latency (limited by {r['ctas_limited_by']})")
         if r["kernel"] == FAST_KERNEL and arch in FP8_MMA_ARCHES:
             qmma = {kind for kind in r["mma"] if kind.startswith("QMMA")}
             if qmma != {FP8_MMA_KIND}:
@@ -337,6 +350,28 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
                 failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {planned}, what the launch "
                                 f"plan sizes its waves with; limited by {r['ctas_limited_by']})")
     return failures
+
+
+def latency_bytes_per_sm(arch: int) -> float:
+    """What one SM of the family's reference part must have in flight to cover a DRAM latency:
+    its bandwidth x :data:`~..kernels.shared.launch_plan.LATENCY_US` / its SMs (RTX 5090: 10.5 KB)."""
+    from mla_sm120_plugin.kernels.shared.launch_plan import FAMILIES, family_of
+
+    family = FAMILIES[family_of(arch // 10, arch % 10)]
+    return family.latency_bytes / family.num_sms
+
+
+def step_bytes(describe: dict[str, Any]) -> int | None:
+    """Cache bytes one step of a streaming kernel's loop loads (candidates a step x a row's bytes read)."""
+    if describe.get("kernel") == DSV4_KERNEL:
+        from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
+
+        return describe["block_n"] * dsv4_layout.RECORDS[describe["record"]].token_bytes
+    if describe.get("kernel") in STREAMING_KERNELS:
+        from mla_sm120_plugin.kernels.dsa import triton_plan
+
+        return describe["block_k"] * max(triton_plan.row_bytes_read(c) for c in describe["cache"].split("+"))
+    return None
 
 
 def fast_ctas_per_sm(arch: int) -> int:

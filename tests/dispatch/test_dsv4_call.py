@@ -186,14 +186,14 @@ def test_the_self_check_runs_on_the_plans_record():
     assert not bad.passed and "relRMS" in bad.error
 
 
-def _small_call(**overrides):
+def _small_call(window=10, extra=6, **overrides):
     """A two-cache call on the engines' views, and the oracle's answer for it."""
     gen = torch.Generator().manual_seed(11)
     swa, swa_pages = _engine_view(2, 64, 0, 1)
     comp, comp_pages = _engine_view(8, 2, 0, 2)
     q = (torch.randn(2, 8, 512, generator=gen) / 4).to(torch.bfloat16)
-    swa_idx = torch.randint(0, 128, (2, 1, 10), generator=gen, dtype=torch.int32)
-    comp_idx = torch.randint(0, 16, (2, 1, 6), generator=gen, dtype=torch.int32)
+    swa_idx = torch.randint(0, 128, (2, 1, window), generator=gen, dtype=torch.int32)
+    comp_idx = torch.randint(0, 16, (2, 1, extra), generator=gen, dtype=torch.int32)
     kwargs = dict(query=q, swa_kv_cache=swa, sparse_indices=swa_idx, compressed_kv_cache=comp,
                   extra_sparse_indices=comp_idx, bmm1_scale=512**-0.5, kv_layout="NHD")
     kwargs.update(overrides)
@@ -264,3 +264,27 @@ def test_the_cake_backend_is_flashinfers_nvfp4_route_and_nothing_else():
     with pytest.raises(KernelInputError) as err:  # cake reads the NVFP4 record only
         dsv4.triton_dsv4(**kwargs, backend="cake")
     assert str(err.value).startswith("given: backend: 'cake' with kv_cache_format='fp8'")
+
+
+def test_mla_sm120_splits_forces_the_split_path(monkeypatch):
+    """The setting runs the split kernel and the combine whatever the plan picks; the math is the same
+    (the oracle's), and a value that is not a positive integer is refused naming the variable."""
+    from mla_sm120_plugin import envs
+    from mla_sm120_plugin.kernels.dsv4 import triton as dsv4_triton
+
+    kwargs, want = _small_call(40, 30, sinks=torch.randn(8, generator=torch.Generator().manual_seed(2)))
+    want = oracle_attention(kwargs["query"], [(_engine_view(2, 64, 0, 1)[1], kwargs["sparse_indices"][:, 0], None, 64),
+                                              (_engine_view(8, 2, 0, 2)[1], kwargs["extra_sparse_indices"][:, 0],
+                                               None, 2)], kwargs["sinks"])
+    grids = []
+    real = dsv4_triton.launch_plan
+    monkeypatch.setattr(dsv4_triton, "launch_plan", lambda *a, **k: grids.append(k["cfg"].num_splits) or real(*a, **k))
+    monkeypatch.setenv(envs.SPLITS, "3")
+    forced = dsv4.triton_dsv4(**kwargs)
+    assert grids == [3]
+    assert EXACT_CLASS_BOUND.violations(measure(forced, want)) == []
+    assert torch.equal(forced, dsv4.triton_dsv4(**kwargs, num_splits=3))
+    monkeypatch.setenv(envs.SPLITS, "three")
+    with pytest.raises(KernelInputError) as err:
+        dsv4.triton_dsv4(**kwargs)
+    assert str(err.value).startswith(f"given: {envs.SPLITS}: 'three'")

@@ -26,6 +26,7 @@ from mla_sm120_plugin.tools import compile_gate
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton as tk
 from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsv4 import plan as dsv4_plan
 
 
 # FlashInfer's import points Triton at a system ptxas (TRITON_PTXAS_BLACKWELL_PATH) when one of CUDA
@@ -168,20 +169,37 @@ def test_exact_variants_use_bf16_mmas(gate):
 
 
 def test_the_plan_assumes_no_more_ctas_per_sm_than_compiled(gate):
-    """The configuration table sizes its waves with each kernel's CTAs per SM: never more than the
-    compiler's."""
+    """The configuration tables size their waves with each kernel's CTAs per SM: never more than the
+    compiler's (the DeepSeek-V4 kernel's per record, split and unsplit)."""
     family = plan.family_of(gate["arch"] // 10, gate["arch"] % 10)
     for kernel, shape in (("sparse_mla", plan.EXACT), (compile_gate.FAST_KERNEL, plan.FAST)):
         rows = [v for v in gate["variants"]
                 if v["kernel"] == kernel and (kernel != "sparse_mla" or layout.get(_caches(v)[0]).fp8)]
         assert rows and min(v["ctas_per_sm"] for v in rows) >= shape.ctas_per_sm[family], rows
+    for record, shape in dsv4_plan.SHAPES.items():
+        rows = [v for v in gate["variants"] if v["kernel"] == compile_gate.DSV4_KERNEL and v["record"] == record]
+        assert {v["final"] for v in rows} == {0, 1} and len(rows) == 4, rows  # window / two caches, split or not
+        assert min(v["ctas_per_sm"] for v in rows) >= shape.ctas_per_sm[family], rows
+
+
+def test_every_streaming_variant_states_its_bytes_in_flight(gate):
+    """CTAs x candidates a step x row bytes x (stages - 1, at least 1): on SM12x at least what an SM
+    of the family's part moves in one DRAM latency (RTX 5090: 1792 GB/s / 170 SMs x 1 us)."""
+    need = compile_gate.latency_bytes_per_sm(gate["arch"])
+    rows = [v for v in gate["variants"] if v["kernel"] in compile_gate.STREAMING_KERNELS]
+    assert rows
+    for v in rows:
+        assert v["bytes_in_flight"] == v["ctas_per_sm"] * v["step_bytes"] * max(1, v["stages"] - 1), v
+        if gate["arch"] in compile_gate.FP8_MMA_ARCHES:
+            assert v["bytes_in_flight"] >= need, v
+    assert 10_000 < compile_gate.latency_bytes_per_sm(120) < 11_000
 
 
 def test_gate_rules_fail_what_they_should():
     """Synthetic rows: the rules themselves, without compiling."""
     good = dict(variant="v", compiled=True, error=None, kernel=compile_gate.FAST_KERNEL, spill_bytes=0, stack_bytes=0,
                 local_bytes=0, shared_bytes=48_640, mma={"QMMA.SF.16832.F32.E4M3.E4M3.E8": 24}, ctas_per_sm=2,
-                ctas_limited_by="registers")
+                ctas_limited_by="registers", step_bytes=20_992, bytes_in_flight=20_992)
     assert compile_gate.gate_failures(120, [good]) == []
     bad = {
         "no QMMA": dict(mma={"HMMA.16816.F32.BF16": 52}),
@@ -190,6 +208,7 @@ def test_gate_rules_fail_what_they_should():
         "spills": dict(spill_bytes=8, stack_bytes=8),
         "shared memory": dict(shared_bytes=200_000),
         "does not compile": dict(compiled=False, error="boom"),
+        "a DRAM latency not covered": dict(bytes_in_flight=10_000),
     }
     for what, change in bad.items():
         assert compile_gate.gate_failures(120, [{**good, **change}]), what

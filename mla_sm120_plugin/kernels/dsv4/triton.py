@@ -7,9 +7,10 @@ token with no candidate) over either record of :mod:`.layout` (the 584-byte fp8 
 size), a position at or past the row's length. Each cache has its own page size and page stride
 (runtime arguments).
 
-Structure: one program takes one query token and ``BLOCK_H`` heads and walks the window's index
-row, then the compressed cache's, ``BLOCK_N`` candidates a step (:func:`_attend`), with an online
-softmax in base 2. A candidate's row is dequantized exactly (each NoPE value times its group's
+Structure: one program takes one query token, ``BLOCK_H`` heads and one split: a range of the
+window's index row followed by the compressed cache's, ``BLOCK_N`` candidates a step
+(:func:`_attend`), with an online softmax in base 2. The split count is :mod:`.plan`'s (shapes
+only); several splits write fp32 partials that :mod:`..shared.combine` merges, applying the sink once. A candidate's row is dequantized exactly (each NoPE value times its group's
 scale, the bf16 rope as is), so the key/value tile is exact in bf16; scores and the weighted sum
 are bf16 x bf16 dots accumulated in fp32 (:func:`~mla_sm120_plugin.kernels.shared.triton.dot`).
 
@@ -18,15 +19,16 @@ Design notes: docs/kernels.md, section ``kernels/dsv4/triton.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsv4 import layout
+from mla_sm120_plugin.kernels.dsv4 import plan
+from mla_sm120_plugin.kernels.shared.combine import OUT_DIM, combine_launch
 from mla_sm120_plugin.kernels.shared.host import LOG2E, cdiv, interpreting
+from mla_sm120_plugin.kernels.shared.launch_plan import family_of
 from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, dot, e2m1, e8m0_value, store_rounded
 
 REC = layout.FP8_RECORD
@@ -42,32 +44,20 @@ _FP4_NOPE_BYTES: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.nope_bytes)
 _FP4_GROUP: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.scale_group)
 
 
-@dataclass(frozen=True)
-class Dsv4Config:
-    """A launch's shape: heads a program, candidates a step, warps, pipelining depth."""
-
-    block_h: int = 16
-    block_n: int = 16
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-DEFAULT = Dsv4Config()
-# The NVFP4 record's e2m1 decode keeps more values live: at 4 warps the [16, 512] key tile spills
-# (255 registers); at 8 warps it fits (128 / 156 registers, no spill), and one CTA of 8 warps an SM
-# is the fp8 launch's 2 x 4 resident warps.
-NVFP4_DEFAULT = Dsv4Config(num_warps=8)
+Dsv4Config = plan.Dsv4Config
+DEFAULT = plan.SHAPES[layout.FP8_DSV4].config
+NVFP4_DEFAULT = plan.SHAPES[layout.NVFP4_DSV4].config
 
 
 def default_config(record: layout.Dsv4Record) -> Dsv4Config:
-    """The launch shape for caches of ``record``."""
-    return NVFP4_DEFAULT if record.nope_bits == 4 else DEFAULT
+    """The record's block shape, unsplit."""
+    return plan.shape_of(record).config
 
 
 @triton.jit
-def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity, m_i, l_i, acc, qk_scale_log2,
+def _attend(q, cache_ptr, idx_ptr, idx_row, lo, hi, page_size, page_stride, capacity, m_i, l_i, acc, qk_scale_log2,
             BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, NVFP4: tl.constexpr):
-    """Fold the first ``n`` candidates of one index row of one cache into the softmax state."""
+    """Fold candidates ``[lo, hi)`` of one index row of one cache into the softmax state."""
     cols = tl.arange(0, _HEAD)
     nope = cols < _NOPE
     cache_f8 = cache_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -80,9 +70,9 @@ def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity,
         data_bytes: tl.constexpr = _DATA
         scale_bytes: tl.constexpr = _SCALES
         rope_at: tl.constexpr = _NOPE
-    for start in range(0, n, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + idx_row + pos, mask=pos < n, other=-1)
+        idx = tl.load(idx_ptr + idx_row + pos, mask=pos < hi, other=-1)
         valid = (idx >= 0) & (idx < capacity)
         slot = tl.where(valid, idx, 0).to(tl.int64)
         base = (slot // page_size) * page_stride
@@ -114,19 +104,25 @@ def _attend(q, cache_ptr, idx_ptr, idx_row, n, page_size, page_stride, capacity,
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("chunk",))
 def _dsv4_kernel(
-    q_ptr, out_ptr, sink_ptr,
+    q_ptr, out_ptr, lse_ptr, sink_ptr,
     swa_ptr, swa_idx_ptr, swa_len_ptr, extra_ptr, extra_idx_ptr, extra_len_ptr,
-    num_heads, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+    num_heads, q_stride_t, q_stride_h, out_stride_t, out_stride_s, out_stride_h, lse_stride_t, lse_stride_s,
     swa_idx_stride, swa_width, swa_page, swa_page_stride, swa_capacity,
     extra_idx_stride, extra_width, extra_page, extra_page_stride, extra_capacity,
-    qk_scale_log2,
-    HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, NVFP4: tl.constexpr,
+    qk_scale_log2, chunk,
+    FINAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, HAS_SWA_LEN: tl.constexpr,
+    HAS_EXTRA_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+    NVFP4: tl.constexpr,
 ):
+    """One (token, head block, split): candidates ``[split * chunk, split * chunk + chunk)`` of the
+    window's index row followed by the compressed one's (positions by the rows' widths, so the cut
+    depends on shapes only). ``FINAL`` (one split): the sink applied and ``out`` written; otherwise
+    the range's normalized fp32 partial and base-2 LSE, which :mod:`..shared.combine` merges."""
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     h_mask = heads < num_heads
     cols = tl.arange(0, _HEAD)
     q = tl.load(q_ptr + tok * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
@@ -134,26 +130,45 @@ def _dsv4_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, _HEAD], tl.float32)
+    lo = split * chunk
+    hi = lo + chunk
     n = swa_width
     if HAS_SWA_LEN:
         n = tl.minimum(tl.maximum(tl.load(swa_len_ptr + tok), 0), swa_width)
-    m_i, l_i, acc = _attend(q, swa_ptr, swa_idx_ptr, tok * swa_idx_stride, n, swa_page, swa_page_stride,
-                            swa_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16, NVFP4)
+    m_i, l_i, acc = _attend(q, swa_ptr, swa_idx_ptr, tok * swa_idx_stride, tl.minimum(lo, n), tl.minimum(hi, n),
+                            swa_page, swa_page_stride, swa_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16,
+                            NVFP4)
     if HAS_EXTRA:
         n = extra_width
         if HAS_EXTRA_LEN:
             n = tl.minimum(tl.maximum(tl.load(extra_len_ptr + tok), 0), extra_width)
-        m_i, l_i, acc = _attend(q, extra_ptr, extra_idx_ptr, tok * extra_idx_stride, n, extra_page,
+        e_lo = tl.minimum(tl.maximum(lo - swa_width, 0), n)
+        e_hi = tl.minimum(tl.maximum(hi - swa_width, 0), n)
+        m_i, l_i, acc = _attend(q, extra_ptr, extra_idx_ptr, tok * extra_idx_stride, e_lo, e_hi, extra_page,
                                 extra_page_stride, extra_capacity, m_i, l_i, acc, qk_scale_log2, BLOCK_N, DOT_BF16,
                                 NVFP4)
-    if HAS_SINK:
-        # the sink is a natural-log logit; the scores are base 2
-        sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * LOG2E_K
-        l_i += tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
-    found = (m_i > float("-inf"))[:, None]
-    out = tl.where(found, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-    store_rounded(out_ptr + tok * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + cols[None, :], out,
-                   h_mask[:, None])
+    out_rows = out_ptr + tok * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + cols[None, :]
+    if FINAL:
+        if HAS_SINK:
+            # the sink is a natural-log logit; the scores are base 2
+            sink = tl.load(sink_ptr + heads, mask=h_mask, other=float("-inf")) * LOG2E_K
+            l_i += tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+        found = (m_i > float("-inf"))[:, None]
+        out = tl.where(found, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+        store_rounded(out_rows, out, h_mask[:, None])
+    else:
+        # an empty range stores zeros and an LSE of -inf: the combine gives it no weight
+        has_any = l_i > 0.0
+        inv_l = tl.where(has_any, 1.0 / tl.where(has_any, l_i, 1.0), 0.0)
+        lse2 = tl.where(has_any, m_i + tl.math.log2(tl.where(has_any, l_i, 1.0)), float("-inf"))
+        tl.store(out_rows + split * out_stride_s, acc * inv_l[:, None], mask=h_mask[:, None])
+        tl.store(lse_ptr + tok * lse_stride_t + split * lse_stride_s + heads, lse2, mask=h_mask)
+
+
+def _int32_lengths(lengths: torch.Tensor | None) -> torch.Tensor | None:
+    if lengths is None or (lengths.dtype == torch.int32 and lengths.is_contiguous()):
+        return lengths
+    return lengths.clamp(max=2**31 - 1).to(torch.int32).contiguous()
 
 
 def _bad(given: str, supported: str, fix: str) -> KernelInputError:
@@ -183,38 +198,88 @@ def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths:
                    "pass one length a token, or None")
 
 
+def scratch_bytes(num_tokens: int, num_heads: int, num_splits: int) -> int:
+    """Bytes a call's split partials take: fp32 ``[T, S, H, 512]`` and their LSE ``[T, S, H]`` (0 unsplit)."""
+    if num_splits <= 1:
+        return 0
+    return num_tokens * num_splits * num_heads * (OUT_DIM + 1) * 4
+
+
+def _scratch(q: torch.Tensor, num_splits: int, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split partials, carved from the front of ``workspace`` where it holds them (an engine's
+    preallocated bytes: nothing is allocated in the call), else allocated."""
+    tokens, heads, _ = q.shape
+    shape = (tokens, num_splits, heads)
+    partial_bytes = tokens * num_splits * heads * OUT_DIM * 4
+    if (workspace is not None and workspace.dtype == torch.uint8 and workspace.device == q.device
+            and workspace.is_contiguous() and workspace.data_ptr() % 16 == 0
+            and workspace.numel() >= scratch_bytes(tokens, heads, num_splits)):
+        flat = workspace.view(-1)
+        partials = flat[:partial_bytes].view(torch.float32).view(*shape, OUT_DIM)
+        lse = flat[partial_bytes:partial_bytes + tokens * num_splits * heads * 4].view(torch.float32).view(shape)
+        return partials, lse
+    return (torch.empty(*shape, OUT_DIM, dtype=torch.float32, device=q.device),
+            torch.empty(shape, dtype=torch.float32, device=q.device))
+
+
 def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_lengths=None, extra_cache=None,
                 extra_indices=None, extra_lengths=None, extra_page_size=None, sinks=None,
                 cfg: Dsv4Config | None = None, interpret: bool = False,
-                record: layout.Dsv4Record = REC) -> list[Launch]:
-    """The launch of one call (what :func:`dsv4_attention` runs and the compile gate compiles)."""
+                record: layout.Dsv4Record = REC, workspace: torch.Tensor | None = None) -> list[Launch]:
+    """The launches of one call (what :func:`dsv4_attention` runs and the compile gate compiles):
+    one when ``cfg.num_splits == 1``; otherwise the split kernel into fp32 partials (from
+    ``workspace`` where it is large enough, :func:`scratch_bytes`), then the shared combine into ``out``."""
     cfg = cfg or default_config(record)
     tokens, heads, _ = q.shape
     extra = extra_cache is not None
+    final = cfg.num_splits <= 1
     dummy = swa_indices
-    return [Launch(
+    candidates = swa_indices.shape[1] + (extra_indices.shape[1] if extra else 0)
+    chunk = max(candidates, 1) if final else cfg.blocks_per_split * cfg.block_n
+    # The cap binds the one variant ptxas builds past it (NVFP4, two caches, unsplit: 156 registers,
+    # one CTA an SM); on the others, which it builds at <= 128 uncapped, a cap makes it spill a few bytes.
+    maxnreg = cfg.maxnreg if final and extra else None
+    if final:
+        dest, dest_lse = out, out
+        dest_strides, lse_strides = (out.stride(0), 0, out.stride(1)), (0, 0)
+    else:
+        dest, dest_lse = _scratch(q, cfg.num_splits, workspace)
+        dest_strides, lse_strides = dest.stride()[:3], dest_lse.stride()[:2]
+    main = Launch(
         kernel=_dsv4_kernel,
-        grid=(tokens, cdiv(heads, cfg.block_h)),
-        args=(q, out, sinks if sinks is not None else q,
+        grid=(tokens, cdiv(heads, cfg.block_h), cfg.num_splits),
+        args=(q, dest, dest_lse, sinks if sinks is not None else q,
               swa_cache, swa_indices, swa_lengths if swa_lengths is not None else dummy,
               extra_cache if extra else swa_cache, extra_indices if extra else dummy,
               extra_lengths if extra_lengths is not None else dummy,
-              heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              heads, q.stride(0), q.stride(1), *dest_strides, *lse_strides,
               swa_indices.stride(0), swa_indices.shape[1], swa_page_size, swa_cache.stride(0),
               swa_cache.shape[0] * swa_page_size,
               extra_indices.stride(0) if extra else 0, extra_indices.shape[1] if extra else 0,
               extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
               extra_cache.shape[0] * extra_page_size if extra else 0,
-              sm_scale * LOG2E),
-        constexprs=dict(NVFP4=record.nope_bits == 4, HAS_EXTRA=extra, HAS_SINK=sinks is not None,
-                        HAS_SWA_LEN=swa_lengths is not None,
+              sm_scale * LOG2E, chunk),
+        constexprs=dict(FINAL=final, NVFP4=record.nope_bits == 4, HAS_EXTRA=extra,
+                        HAS_SINK=final and sinks is not None, HAS_SWA_LEN=swa_lengths is not None,
                         HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,
                         BLOCK_N=cfg.block_n, DOT_BF16=not interpret),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        describe=dict(kernel="dsv4", record=record.name, extra=extra, sink=sinks is not None, out=str(out.dtype).replace("torch.", ""),
-                      block_h=cfg.block_h, block_n=cfg.block_n, warps=cfg.num_warps),
-    )]
+        maxnreg=maxnreg,
+        describe=dict(kernel="dsv4", record=record.name, extra=extra, sink=sinks is not None,
+                      out=str(dest.dtype).replace("torch.", ""), final=int(final), block_h=cfg.block_h,
+                      block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages,
+                      **({} if maxnreg is None else {"maxnreg": maxnreg})),
+    )
+    if final:
+        return [main]
+    return [main, combine_launch(dest, dest_lse, sink=sinks, out=out, lse=None, lse_scale=1.0)]
+
+
+def _family(device: torch.device) -> str:
+    if device.type != "cuda":
+        return plan.DEFAULT_FAMILY
+    return family_of(*torch.cuda.get_device_capability(device))
 
 
 def dsv4_attention(
@@ -232,6 +297,8 @@ def dsv4_attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: Dsv4Config | None = None,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
     record: layout.Dsv4Record = REC,
 ) -> torch.Tensor:
     """DeepSeek-V4 attention over a window cache and (optionally) a compressed cache (Triton).
@@ -242,7 +309,12 @@ def dsv4_attention(
     views of even page stride; int64 lengths and float64 sinks are converted here.
 
     :param out: [T, H, 512] output to write (q's dtype by default).
-    :param config: launch shape; :func:`default_config` of the record by default.
+    :param config: launch shape and split; by default the plan's (:func:`.plan.launch_config`: a pure
+        function of the shapes and this GPU's family).
+    :param num_splits: force the plan's block shape into this many candidate ranges (tests, the
+        self-check; ``config`` wins where both are given).
+    :param workspace: uint8 bytes the split partials are carved from where they fit
+        (:func:`scratch_bytes`; 16-byte aligned, contiguous, on q's device), else they are allocated.
     :param record: the caches' record: :data:`.layout.FP8_RECORD` (584 bytes) or
         :data:`.layout.NVFP4_RECORD` (384 bytes: e2m1 x e4m3 NoPE, exact in bf16 too).
     :returns: ``out``: [T, H, 512] in q's dtype (no LSE).
@@ -261,9 +333,10 @@ def dsv4_attention(
     if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point):
         raise _bad(f"sinks of shape {tuple(sinks.shape)}, dtype {sinks.dtype}", f"[{q.shape[1]}] float32",
                    "one logit a head (padded heads: -inf)")
-    # The kernel reads lengths as int32 and sinks as fp32 (a GPU would misread other widths).
-    swa_lengths = None if swa_lengths is None else swa_lengths.clamp(max=2**31 - 1).to(torch.int32)
-    extra_lengths = None if extra_lengths is None else extra_lengths.clamp(max=2**31 - 1).to(torch.int32)
+    # The kernel reads lengths as int32 and sinks as fp32 (a GPU would misread other widths); the
+    # engines' int32 lengths and fp32 sinks pass as they are (no copy in a captured call).
+    swa_lengths = _int32_lengths(swa_lengths)
+    extra_lengths = _int32_lengths(extra_lengths)
     sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -275,9 +348,14 @@ def dsv4_attention(
     if q.shape[0] == 0:
         return out
     interpret = interpreting() or q.device.type == "cpu"
+    window, compressed = swa_indices.shape[1], extra_indices.shape[1] if extra_cache is not None else 0
+    if config is None and num_splits is not None:
+        config = plan.forced(record, num_splits, window, compressed)
+    elif config is None:
+        config = plan.launch_config(record, q.shape[0], q.shape[1], window, compressed, _family(q.device))
     for launch in launch_plan(q, out, swa_cache, swa_indices, swa_page_size, sm_scale=sm_scale,
                               swa_lengths=swa_lengths, extra_cache=extra_cache, extra_indices=extra_indices,
                               extra_lengths=extra_lengths, extra_page_size=extra_page_size, sinks=sinks,
-                              cfg=config, interpret=interpret, record=record):
+                              cfg=config, interpret=interpret, record=record, workspace=workspace):
         launch.run()
     return out

@@ -1,0 +1,189 @@
+"""How the DeepSeek-V4 kernel cuts a call into programs, and the bytes each cut moves (pure Python).
+
+A program takes one query token, ``block_h`` heads and one *split*: a range of the call's candidates
+read as one list, the window's index row (``W`` ids) followed by the compressed cache's (``E``), cut
+at ``blocks_per_split`` whole steps of ``block_n``. The split count comes from the rule the DSA
+plans use (:func:`~mla_sm120_plugin.kernels.shared.launch_plan.split_rule`), evaluated at the call's
+shapes: tokens, heads, the two index widths (never their live lengths) and the GPU family, so a
+captured graph replays the same grid. :func:`traffic` counts the bytes with nothing reused across
+programs; :func:`json_report` is what ``mla-sm120 bench --traffic`` prints.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from mla_sm120_plugin.kernels.dsv4 import layout
+from mla_sm120_plugin.kernels.shared.host import cdiv
+from mla_sm120_plugin.kernels.shared.launch_plan import (
+    DEFAULT_FAMILY, FAMILIES, LATENCY_US, ArchFamily, Traffic, split_rule,
+)
+
+KERNEL = "triton_dsv4"
+MAX_SPLITS = 64  # as the DSA plans: the combine walks every split of a (token, head block)
+_PARTIAL_ROW = layout.HEAD_DIM * 4 + 4  # an fp32 partial row and its LSE, a head
+
+
+@dataclass(frozen=True)
+class Dsv4Config:
+    """A launch's shape: heads a program, candidates a step, warps, pipelining depth, and the split.
+
+    num_splits: candidate ranges per (token, head block); 1 writes ``out`` directly
+    blocks_per_split: ``block_n`` steps a range (0 with one split: the whole row)
+    maxnreg: register cap handed to ptxas for the unsplit two-cache launch (None: its own choice)
+    """
+
+    block_h: int = 16
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 1
+    num_splits: int = 1
+    blocks_per_split: int = 0
+    maxnreg: int | None = None
+
+    def split(self, num_splits: int, blocks_per_split: int) -> "Dsv4Config":
+        return replace(self, num_splits=num_splits, blocks_per_split=blocks_per_split if num_splits > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Dsv4Shape:
+    """The kernel's fixed block shape for one record, and the CTAs per SM the compile gate reads for it."""
+
+    record: str
+    config: Dsv4Config
+    ctas_per_sm: dict
+
+
+# fp8: 2 CTAs of 4 warps an SM (167 registers). NVFP4: its e2m1 decode keeps more values live; at 4
+# warps the [16, 512] key tile spills (255 registers), at 8 it fits, and capped at 128 registers (no
+# spill) two CTAs of 8 warps stay resident: one CTA (156 registers, two caches) kept 6 KB in flight,
+# under the 10.5 KB an RTX 5090 SM moves in a DRAM latency (the compile gate's residency rule).
+SHAPES = {
+    layout.FP8_DSV4: Dsv4Shape(layout.FP8_DSV4, Dsv4Config(num_warps=4), {"sm120": 2, "sm121": 2, "sm90": 2}),
+    layout.NVFP4_DSV4: Dsv4Shape(layout.NVFP4_DSV4, Dsv4Config(num_warps=8, maxnreg=128),
+                                 {"sm120": 2, "sm121": 2, "sm90": 1}),
+}
+
+
+def shape_of(record: layout.Dsv4Record) -> Dsv4Shape:
+    """The block shape for caches of ``record``."""
+    return SHAPES[record.name]
+
+
+def traffic(cfg: Dsv4Config, num_tokens: int, num_heads: int, window: int, compressed: int,
+            record: layout.Dsv4Record = layout.FP8_RECORD) -> Traffic:
+    """Bytes the launches of ``cfg`` move for a [T, H, 512] bf16 q over ``window`` + ``compressed``
+    candidates a token, every one valid and distinct (the most a call reads); bf16 out, fp32 partials."""
+    candidates = window + compressed
+    head_blocks = cdiv(num_heads, cfg.block_h)
+    row = num_heads * layout.HEAD_DIM * 2
+    return Traffic(
+        cache=num_tokens * head_blocks * candidates * record.token_bytes,
+        q=num_tokens * cfg.num_splits * row,
+        indices=num_tokens * head_blocks * candidates * 4,
+        partials=num_tokens * cfg.num_splits * num_heads * _PARTIAL_ROW * 2 if cfg.num_splits > 1 else 0,
+        output=num_tokens * row,
+        minimum=num_tokens * (candidates * (record.token_bytes + 4) + 2 * row),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(record_name: str, num_tokens: int, num_heads: int, window: int, compressed: int,
+           family_name: str = DEFAULT_FAMILY) -> tuple[Dsv4Config, str]:
+    """The config of one call (index widths ``window`` and ``compressed``) and why; a pure function
+    of shapes, cached (no autotuning at serve time)."""
+    shape, family = SHAPES[record_name], FAMILIES[family_name]
+    record = layout.RECORDS[record_name]
+    blocks = cdiv(max(window + compressed, 1), shape.config.block_n)
+    splits, per_split, why = split_rule(
+        family, programs=max(num_tokens, 1) * cdiv(num_heads, shape.config.block_h),
+        ctas_per_sm=shape.ctas_per_sm[family_name], blocks=blocks, max_splits=MAX_SPLITS,
+        traffic_of=lambda s, per: traffic(shape.config.split(s, per), num_tokens, num_heads, window, compressed,
+                                          record))
+    return shape.config.split(splits, per_split), why
+
+
+def launch_config(record: layout.Dsv4Record, num_tokens: int, num_heads: int, window: int, compressed: int,
+                  family_name: str = DEFAULT_FAMILY) -> Dsv4Config:
+    """:func:`choose`'s config for a call over caches of ``record``."""
+    return choose(record.name, num_tokens, num_heads, window, compressed, family_name)[0]
+
+
+def forced(record: layout.Dsv4Record, num_splits: int, window: int, compressed: int) -> Dsv4Config:
+    """The record's block shape cut into ``num_splits`` ranges of whole steps (fewer where the
+    candidates have fewer steps): what a forced plan runs."""
+    base = shape_of(record).config
+    blocks = cdiv(max(window + compressed, 1), base.block_n)
+    per_split = cdiv(blocks, max(1, min(num_splits, blocks)))
+    return base.split(cdiv(blocks, per_split), per_split)
+
+
+def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int, window: int, compressed: int,
+            ctas_per_sm: int, record: layout.Dsv4Record = layout.FP8_RECORD) -> dict:
+    """What a launch costs in the model: its DRAM time (bytes / the family's bandwidth) and its step
+    chain (waves x steps a program walks, each at least one DRAM round trip, plus the combine's)."""
+    blocks = cdiv(max(window + compressed, 1), cfg.block_n)
+    per_split = cfg.blocks_per_split or blocks
+    programs = max(num_tokens, 1) * cdiv(num_heads, cfg.block_h) * cfg.num_splits
+    waves = cdiv(programs, family.num_sms * ctas_per_sm)
+    steps = waves * per_split + (1 if cfg.num_splits > 1 else 0)
+    dram_us = family.seconds(traffic(cfg, num_tokens, num_heads, window, compressed, record).total) * 1e6
+    return dict(programs=programs, waves=waves, chain_steps=steps, dram_us=round(dram_us, 3),
+                modeled_us=round(max(dram_us, steps * LATENCY_US), 3))
+
+
+# The shapes the split issue names: (tokens, heads, window, compressed): C4A 128 + 512, C128A 128 + 8192.
+MUST_SHOW = [(t, h, 128, e) for t in (1, 6, 64) for h in (8, 16, 64, 128) for e in (512, 8192)]
+HEAD_BUCKETS = (8, 16, 32, 64, 128)
+ROW_BUCKETS = (1, 2, 4, 6, 8, 16, 32, 64)
+CANDIDATE_ROWS = ((128, 0), (128, 512), (128, 1024), (128, 2048), (128, 4096), (128, 8192))
+
+
+def plan_report(record_name: str, num_tokens: int, num_heads: int, window: int, compressed: int,
+                family_name: str = DEFAULT_FAMILY) -> dict:
+    """The config a call gets, why, its traffic and its modeled time beside the unsplit launch's."""
+    shape, family, record = SHAPES[record_name], FAMILIES[family_name], layout.RECORDS[record_name]
+    cfg, why = choose(record_name, num_tokens, num_heads, window, compressed, family_name)
+    ctas = shape.ctas_per_sm[family_name]
+    return dict(
+        kernel=KERNEL, record=record_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads,
+        candidates=dict(window=window, compressed=compressed, total=window + compressed),
+        num_splits=cfg.num_splits, chunk=(cfg.blocks_per_split or cdiv(window + compressed, cfg.block_n)) * cfg.block_n,
+        block_h=cfg.block_h, block_n=cfg.block_n, ctas_per_sm=ctas, reason=why,
+        traffic=traffic(cfg, num_tokens, num_heads, window, compressed, record).as_dict(),
+        modeled=modeled(cfg, family, num_tokens, num_heads, window, compressed, ctas, record),
+        unsplit=modeled(shape.config, family, num_tokens, num_heads, window, compressed, ctas, record),
+    )
+
+
+def json_report(family_name: str = DEFAULT_FAMILY) -> dict:
+    """Each record's plans for :data:`MUST_SHOW` and its split table (rows: heads, tokens, window,
+    compressed, splits, chunk) for one family, as data."""
+    family = FAMILIES[family_name]
+    tables = {}
+    for name in SHAPES:
+        tables[name] = [dict(heads=h, tokens=t, window=w, compressed=e, splits=cfg.num_splits,
+                             chunk=(cfg.blocks_per_split or cdiv(w + e, cfg.block_n)) * cfg.block_n)
+                        for h in HEAD_BUCKETS for t in ROW_BUCKETS for w, e in CANDIDATE_ROWS
+                        for cfg in [choose(name, t, h, w, e, family_name)[0]]]
+    return dict(family=family_name, part=family.part, num_sms=family.num_sms, bandwidth_gbps=family.bandwidth_gbps,
+                latency_us=LATENCY_US, plans=[plan_report(name, *shape, family_name) for name in SHAPES
+                                              for shape in MUST_SHOW], tables=tables)
+
+
+def format_report(family_name: str = DEFAULT_FAMILY) -> str:
+    """:func:`json_report`'s plans as text (bytes in MB; time in µs: max(DRAM time, step chain))."""
+    family = FAMILIES[family_name]
+    lines = [f"{KERNEL} on {family_name} ({family.part}, {family.num_sms} SMs); bytes in MB; ratio = modeled / "
+             f"minimum; µs = max(bytes / {family.bandwidth_gbps:.0f} GB/s, steps x {LATENCY_US:g} µs)"]
+    lines.append(f"{'record':<11}{'T':>4}{'H':>5}{'W+E':>11}{'splits':>7}{'chunk':>6}{'programs':>9}{'total':>9}"
+                 f"{'min':>9}{'ratio':>7}{'µs':>8}{'unsplit µs':>11}")
+    for name in SHAPES:
+        for t, h, w, e in MUST_SHOW:
+            r = plan_report(name, t, h, w, e, family_name)
+            tr = r["traffic"]
+            lines.append(f"{name:<11}{t:>4}{h:>5}{f'{w}+{e}':>11}{r['num_splits']:>7}{r['chunk']:>6}"
+                         f"{r['modeled']['programs']:>9}{tr['total'] / 1e6:>9.3f}{tr['minimum'] / 1e6:>9.3f}"
+                         f"{tr['ratio']:>7.3f}{r['modeled']['modeled_us']:>8.1f}{r['unsplit']['modeled_us']:>11.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""The DeepSeek-V4 kernel split into candidate ranges, and the plan that picks the split.
+
+Forced split plans (ranges cut inside the window row and across the window / compressed boundary)
+must match the float64 oracle written from the bytes at the exact class, on both records, with every
+sink kind, -1 and out-of-range ids, short, empty and padded rows and odd head counts; the combine
+applies the sink once. The plan is a pure function of shapes: lengths never move the grid.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layout_oracle import dsv4_oracle_attention as oracle_attention
+from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
+from mla_sm120_plugin.kernels.dsv4 import layout, pack, plan
+from mla_sm120_plugin.kernels.shared.host import cdiv
+
+triton_mod = pytest.importorskip("mla_sm120_plugin.kernels.dsv4.triton")
+
+SCALE = 512**-0.5
+RECORDS = {"fp8": layout.FP8_RECORD, "nvfp4": layout.NVFP4_RECORD}
+
+
+def _cache(record, pages, page_size, seed):
+    buf = pack.new_cache(pages, page_size, record=record)
+    rows = torch.randn(pages * page_size, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    pack.write(buf, rows, torch.arange(pages * page_size), page_size, record=record)
+    return buf
+
+
+def _case(record, tokens=5, heads=13, window=40, extra=35, seed=0):
+    """Window pages of 64, compressed pages of 2; token 0 with -1 and out-of-range ids, token 2 no
+    candidate, token 3 a padded row (length 0, every id -1), token 4 a length past its row."""
+    gen = torch.Generator().manual_seed(seed)
+    swa, comp = _cache(record, 2, 64, seed + 1), _cache(record, 48, 2, seed + 2)
+    q = (torch.randn(tokens, heads, 512, generator=gen) / 4).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 128, (tokens, window), generator=gen, dtype=torch.int32)
+    comp_idx = torch.randint(0, 96, (tokens, extra), generator=gen, dtype=torch.int32)
+    swa_idx[0, ::3] = -1
+    comp_idx[0, ::4] = 96 + 5
+    swa_len = torch.randint(1, window + 1, (tokens,), generator=gen, dtype=torch.int32)
+    comp_len = torch.randint(1, extra + 1, (tokens,), generator=gen, dtype=torch.int32)
+    if tokens >= 5:
+        swa_len[2], comp_len[2] = 0, 0
+        swa_idx[3], comp_idx[3], swa_len[3], comp_len[3] = -1, -1, 0, 0
+        comp_len[4] = 1 << 30
+    return q, swa, swa_idx, swa_len, comp, comp_idx, comp_len
+
+
+def _sinks(kind, heads):
+    return {"none": None, "finite": torch.randn(heads, generator=torch.Generator().manual_seed(heads)),
+            "-inf": torch.full((heads,), float("-inf")), "+30": torch.full((heads,), 30.0)}[kind]
+
+
+def _run(case, record, *, splits=None, sinks=None, window_only=False, workspace=None):
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = case
+    kwargs = dict(sm_scale=SCALE, swa_lengths=swa_len, sinks=sinks, record=record, num_splits=splits,
+                  workspace=workspace)
+    parts = [(swa, swa_idx, swa_len, 64)]
+    if not window_only:
+        kwargs.update(extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=2)
+        parts.append((comp, comp_idx, comp_len, 2))
+    out = triton_mod.dsv4_attention(q, swa, swa_idx, 64, **kwargs)
+    return out, oracle_attention(q, parts, sinks, record="nvfp4" if record.nope_bits == 4 else "fp8")
+
+
+@pytest.mark.parametrize("record_name", list(RECORDS))
+@pytest.mark.parametrize("sink", ["none", "finite", "-inf", "+30"])
+@pytest.mark.parametrize("splits", [3, 64])
+def test_forced_splits_match_the_float64_oracle(record_name, sink, splits):
+    """3 ranges of 32 cut the 40-wide window row and cross into the compressed one; 64 asks for more
+    ranges than the 5 steps hold (one a step)."""
+    record = RECORDS[record_name]
+    case = _case(record, seed=len(sink) + splits)
+    out, want = _run(case, record, splits=splits, sinks=_sinks(sink, 13))
+    acc = measure(out, want)
+    assert not EXACT_CLASS_BOUND.violations(acc), acc
+    assert torch.equal(out[2].float(), torch.zeros(13, 512)) and torch.equal(out[3].float(), torch.zeros(13, 512))
+
+
+@pytest.mark.parametrize("heads, splits", [(8, 2), (24, 4), (128, 2)])
+def test_forced_splits_across_head_counts(heads, splits):
+    record = layout.FP8_RECORD
+    case = _case(record, heads=heads, window=64, extra=20, seed=heads)
+    out, want = _run(case, record, splits=splits, sinks=_sinks("finite", heads))
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))
+
+
+def test_a_window_only_layer_splits_its_one_row():
+    record = layout.FP8_RECORD
+    case = _case(record, window=70, seed=4)
+    out, want = _run(case, record, splits=5, sinks=_sinks("finite", 13), window_only=True)
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))
+
+
+def test_the_sink_is_applied_once():
+    """A +30 sink leaves ~e^-30 of the mass: applied in every split and again in the combine (or in
+    none) the output is far from the oracle; with a sink of 0 the same holds at a factor of ~2."""
+    record = layout.FP8_RECORD
+    case = _case(record, seed=8)
+    zero = torch.zeros(13)
+    split, want = _run(case, record, splits=4, sinks=zero)
+    unsplit, _ = _run(case, record, splits=1, sinks=zero)
+    assert not EXACT_CLASS_BOUND.violations(measure(split, want))
+    assert not EXACT_CLASS_BOUND.violations(measure(unsplit, want))
+    no_sink, _ = _run(case, record, splits=4, sinks=None)
+    assert EXACT_CLASS_BOUND.violations(measure(no_sink, want))  # the comparison can fail
+
+
+def test_split_partials_come_from_the_workspace_when_it_holds_them():
+    record = layout.FP8_RECORD
+    case = _case(record, seed=2)
+    q = case[0]
+    need = triton_mod.scratch_bytes(q.shape[0], q.shape[1], 3)
+    workspace = torch.full((need + 64,), 0xFF, dtype=torch.uint8)
+    out, want = _run(case, record, splits=3, sinks=_sinks("finite", 13), workspace=workspace)
+    assert not EXACT_CLASS_BOUND.violations(measure(out, want))
+    assert int((workspace[:need] != 0xFF).sum()) > need // 2  # the partials were written there
+    assert bool((workspace[need:] == 0xFF).all())  # and nothing past them
+    plain, _ = _run(case, record, splits=3, sinks=_sinks("finite", 13))
+    assert torch.equal(out, plain)
+    small, _ = _run(case, record, splits=3, sinks=_sinks("finite", 13), workspace=workspace[: need // 2])
+    assert torch.equal(small, plain)  # too small: allocated instead
+
+
+def _grid(case, record, lengths_seed):
+    q, swa, swa_idx, _, comp, comp_idx, _ = case
+    gen = torch.Generator().manual_seed(lengths_seed)
+    swa_len = torch.randint(0, swa_idx.shape[1] + 1, (q.shape[0],), generator=gen, dtype=torch.int32)
+    comp_len = torch.randint(0, comp_idx.shape[1] + 1, (q.shape[0],), generator=gen, dtype=torch.int32)
+    cfg = plan.launch_config(record, q.shape[0], q.shape[1], swa_idx.shape[1], comp_idx.shape[1])
+    launches = triton_mod.launch_plan(q, torch.empty_like(q), swa, swa_idx, 64, sm_scale=SCALE, swa_lengths=swa_len,
+                                      extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len,
+                                      extra_page_size=2, cfg=cfg, record=record)
+    return [(launch.grid, launch.constexprs, [a for a in launch.args if not isinstance(a, torch.Tensor)])
+            for launch in launches]
+
+
+def test_the_grid_is_a_function_of_shapes_not_lengths():
+    record = layout.FP8_RECORD
+    case = _case(record, tokens=1, heads=8, window=128, extra=512)
+    first = _grid(case, record, 1)
+    assert len(first) == 2 and first[0][0][2] > 1  # T=1 C4A splits: the split kernel and the combine
+    assert all(_grid(case, record, seed) == first for seed in (2, 3, 4))
+
+
+# ---------------------------------------------------------------- the plan (pure Python)
+
+def test_plans_split_at_one_token_and_stay_single_pass_where_a_wave_fills():
+    rec = layout.FP8_RECORD
+    t1 = plan.launch_config(rec, 1, 8, 128, 8192, "sm120")
+    assert t1.num_splits > 1 and t1.blocks_per_split * t1.block_n * (t1.num_splits - 1) < 128 + 8192
+    # 64 tokens x 8 head blocks of 128 heads fill 340 CTA slots: no split
+    assert plan.launch_config(rec, 64, 128, 128, 512, "sm120").num_splits == 1
+    # GB10 has 48 SMs: fewer splits than an RTX 5090 for the same call
+    assert plan.launch_config(rec, 1, 8, 128, 8192, "sm121").num_splits <= t1.num_splits
+
+
+@pytest.mark.parametrize("family", ["sm120", "sm121", "sm90"])
+def test_every_plan_is_whole_steps_and_within_the_rule(family):
+    for name, shape in plan.SHAPES.items():
+        record = layout.RECORDS[name]
+        for t, h, w, e in plan.MUST_SHOW:
+            cfg = plan.launch_config(record, t, h, w, e, family)
+            blocks = cdiv(w + e, cfg.block_n)
+            if cfg.num_splits > 1:
+                assert cdiv(blocks, cfg.blocks_per_split) == cfg.num_splits  # no empty range
+                assert cfg.num_splits <= plan.MAX_SPLITS
+                extra = (plan.traffic(cfg, t, h, w, e, record).total
+                         - plan.traffic(shape.config, t, h, w, e, record).total)
+                unsplit = plan.traffic(shape.config, t, h, w, e, record)
+                fam = plan.FAMILIES[family]
+                assert extra <= min(unsplit.cache, max(0.2 * unsplit.total, fam.latency_bytes))
+
+
+def test_bench_traffic_lists_the_dsv4_plans():
+    done = subprocess.run([sys.executable, "-m", "mla_sm120_plugin.cli", "bench", "--traffic", "sm121", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    plans = report["dsv4"]["plans"]
+    assert {p["kernel"] for p in plans} == {"triton_dsv4"} and report["dsv4"]["family"] == "sm121"
+    first = plans[0]
+    assert set(first) >= {"kernel", "num_tokens", "num_heads", "candidates", "num_splits", "ctas_per_sm", "traffic"}
+    assert first == plan.plan_report(first["record"], first["num_tokens"], first["num_heads"],
+                                     first["candidates"]["window"], first["candidates"]["compressed"], "sm121")
+    text = subprocess.run([sys.executable, "-m", "mla_sm120_plugin.cli", "bench", "--traffic", "sm120"],
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "triton_dsv4 on sm120" in text.stdout
