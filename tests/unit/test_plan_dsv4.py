@@ -58,6 +58,9 @@ def test_v4_flash_is_planned_at_each_tp(engine, device, tp, heads):
         # every count is one FlashInfer lists, so neither engine pads
         assert (call.decode_heads, call.prefill_heads) == (heads, heads)
         assert call.window == 128 and call.window_page == 64
+        # the window page the engine's own call hands the kernel (SGLang: its 256-token pages), which
+        # the self-check's case is built in
+        assert call.pages_at_call == ({"vllm": 64, "sglang": 256}[engine], call.extra_page)
         assert decision.context.kv_cache_dtype == "fp8_dsv4" and decision.classes == {"prefill": "fast",
                                                                                         "decode": "fast"}
     c4a = plan.decisions["c4a"].context.dsv4
