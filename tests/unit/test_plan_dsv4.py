@@ -92,6 +92,15 @@ def test_sm90_is_refused_naming_the_engines_own_path(engine, own):
         _plan("deepseek-v4-flash", engine=engine, tp=4, device=DeviceInfo("nvidia", 9, 0, source="--sm"))
     text = str(err.value)
     assert text.count("given:") == 1 and "sm_90" in text and own in text
+    # refused by the plan itself, before any selection, naming the model (and no cache it did not choose)
+    assert text.startswith("given: model_arch=DeepseekV4ForCausalLM, device sm_90: this plugin serves SM12x only")
+
+
+def test_sm90_names_an_nvfp4_cache_it_is_refused_for():
+    with pytest.raises(UnsupportedConfiguration) as err:
+        _plan("deepseek-v4-flash", tp=4, device=DeviceInfo("nvidia", 9, 0, source="--sm"), kv="nvfp4_ds_mla")
+    assert str(err.value).startswith("given: model_arch=DeepseekV4ForCausalLM, kv_cache_dtype=nvfp4_ds_mla, "
+                                     "device sm_90")
 
 
 @pytest.mark.parametrize("engine, kv, why", [("vllm", "bfloat16", "only supports fp8"),
