@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from mla_sm120_plugin.kernels.dsv4 import layout
 from mla_sm120_plugin.kernels.shared.host import cdiv
 from mla_sm120_plugin.kernels.shared.launch_plan import (
-    DEFAULT_FAMILY, FAMILIES, LATENCY_US, ArchFamily, Traffic, split_rule,
+    DEFAULT_FAMILY, FAMILIES, LATENCY_US, ArchFamily, Traffic, cut, split_rule,
 )
 
 KERNEL = "triton_dsv4"
@@ -44,6 +44,10 @@ class Dsv4Config:
 
     def split(self, num_splits: int, blocks_per_split: int) -> "Dsv4Config":
         return replace(self, num_splits=num_splits, blocks_per_split=blocks_per_split if num_splits > 1 else 0)
+
+    def chunk(self, candidates: int) -> int:
+        """Candidates a range holds for a call of ``candidates`` a token (all of them unsplit)."""
+        return self.blocks_per_split * self.block_n if self.num_splits > 1 else max(candidates, 1)
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,7 @@ def forced(record: layout.Dsv4Record, num_splits: int, window: int, compressed: 
     """The record's block shape cut into ``num_splits`` ranges of whole steps (fewer where the
     candidates have fewer steps): what a forced plan runs."""
     base = shape_of(record).config
-    blocks = cdiv(max(window + compressed, 1), base.block_n)
-    per_split = cdiv(blocks, max(1, min(num_splits, blocks)))
-    return base.split(cdiv(blocks, per_split), per_split)
+    return base.split(*cut(cdiv(max(window + compressed, 1), base.block_n), num_splits))
 
 
 def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int, window: int, compressed: int,
@@ -149,7 +151,7 @@ def plan_report(record_name: str, num_tokens: int, num_heads: int, window: int, 
     return dict(
         kernel=KERNEL, record=record_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads,
         candidates=dict(window=window, compressed=compressed, total=window + compressed),
-        num_splits=cfg.num_splits, chunk=(cfg.blocks_per_split or cdiv(window + compressed, cfg.block_n)) * cfg.block_n,
+        num_splits=cfg.num_splits, chunk=cfg.chunk(window + compressed),
         block_h=cfg.block_h, block_n=cfg.block_n, ctas_per_sm=ctas, reason=why,
         traffic=traffic(cfg, num_tokens, num_heads, window, compressed, record).as_dict(),
         modeled=modeled(cfg, family, num_tokens, num_heads, window, compressed, ctas, record),
@@ -163,8 +165,7 @@ def json_report(family_name: str = DEFAULT_FAMILY) -> dict:
     family = FAMILIES[family_name]
     tables = {}
     for name in SHAPES:
-        tables[name] = [dict(heads=h, tokens=t, window=w, compressed=e, splits=cfg.num_splits,
-                             chunk=(cfg.blocks_per_split or cdiv(w + e, cfg.block_n)) * cfg.block_n)
+        tables[name] = [dict(heads=h, tokens=t, window=w, compressed=e, splits=cfg.num_splits, chunk=cfg.chunk(w + e))
                         for h in HEAD_BUCKETS for t in ROW_BUCKETS for w, e in CANDIDATE_ROWS
                         for cfg in [choose(name, t, h, w, e, family_name)[0]]]
     return dict(family=family_name, part=family.part, num_sms=family.num_sms, bandwidth_gbps=family.bandwidth_gbps,

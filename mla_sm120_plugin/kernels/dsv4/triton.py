@@ -19,6 +19,8 @@ Design notes: docs/kernels.md, section ``kernels/dsv4/triton.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -45,8 +47,6 @@ _FP4_GROUP: tl.constexpr = tl.constexpr(layout.NVFP4_RECORD.scale_group)
 
 
 Dsv4Config = plan.Dsv4Config
-DEFAULT = plan.SHAPES[layout.FP8_DSV4].config
-NVFP4_DEFAULT = plan.SHAPES[layout.NVFP4_DSV4].config
 
 
 def default_config(record: layout.Dsv4Record) -> Dsv4Config:
@@ -235,7 +235,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
     final = cfg.num_splits <= 1
     dummy = swa_indices
     candidates = swa_indices.shape[1] + (extra_indices.shape[1] if extra else 0)
-    chunk = max(candidates, 1) if final else cfg.blocks_per_split * cfg.block_n
+    chunk = cfg.chunk(candidates)
     # The cap binds the one variant ptxas builds past it (NVFP4, two caches, unsplit: 156 registers,
     # one CTA an SM); on the others, which it builds at <= 128 uncapped, a cap makes it spill a few bytes.
     maxnreg = cfg.maxnreg if final and extra else None
@@ -279,7 +279,13 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
 def _family(device: torch.device) -> str:
     if device.type != "cuda":
         return plan.DEFAULT_FAMILY
-    return family_of(*torch.cuda.get_device_capability(device))
+    return _cuda_family(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_family(device_index: int) -> str:
+    # asked once a device: the call path runs every forward
+    return family_of(*torch.cuda.get_device_capability(device_index))
 
 
 def dsv4_attention(

@@ -104,6 +104,13 @@ class Traffic:
                     partials_over_cache=round(self.partials / self.cache, 4) if self.cache else 0.0)
 
 
+def cut(blocks: int, wanted: int) -> tuple[int, int]:
+    """``blocks`` steps cut into about ``wanted`` ranges of whole steps, none empty:
+    ``(num_splits, blocks_per_split)``."""
+    per_split = cdiv(blocks, max(1, min(wanted, blocks)))
+    return cdiv(blocks, per_split), per_split
+
+
 def split_rule(family: ArchFamily, *, programs: int, ctas_per_sm: int, blocks: int, max_splits: int,
                traffic_of: Callable[[int, int], Traffic]) -> tuple[int, int, str]:
     """Splits for a call of ``programs`` (token, head block) pairs over ``blocks`` candidate steps.
@@ -121,8 +128,7 @@ def split_rule(family: ArchFamily, *, programs: int, ctas_per_sm: int, blocks: i
     unsplit = traffic_of(1, blocks)
     budget = min(unsplit.cache, max(EXTRA_FRACTION * unsplit.total, family.latency_bytes))
     for wanted in range(wave, 1, -1):
-        per_split = cdiv(blocks, wanted)
-        splits = cdiv(blocks, per_split)
+        splits, per_split = cut(blocks, wanted)
         extra = traffic_of(splits, per_split).total - unsplit.total
         if extra <= budget:
             why = (f"{splits} splits: {programs} programs x {splits} ~ {slots} CTA slots"
