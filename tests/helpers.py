@@ -152,3 +152,28 @@ def config_with_sections(model: str, kinds: list[str], strong: str, weak: str) -
     if models:
         data["models"] = models
     return data
+
+
+# --- Graph safety: what a call allocates --------------------------------------------------------
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class CountingAllocator(TorchDispatchMode):
+    """Every torch op run inside it whose result lives in storage none of its inputs had: an
+    allocation (a view, an in-place op or an ``out=`` op adds none). ``allocations`` lists them
+    as (op, shape, dtype); a call replayed from a CUDA graph must make none of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocations: list[tuple[str, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        seen = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and \
+                    t.untyped_storage().data_ptr() not in seen:
+                self.allocations.append((str(func), tuple(t.shape), t.dtype))
+        return result

@@ -116,7 +116,7 @@ def test_split_partials_come_from_the_workspace_when_it_holds_them():
     record = layout.FP8_RECORD
     case = _case(record, seed=2)
     q = case[0]
-    need = triton_mod.scratch_bytes(q.shape[0], q.shape[1], 3)
+    need = plan.scratch_bytes(q.shape[0], q.shape[1], 3)
     workspace = torch.full((need + 64,), 0xFF, dtype=torch.uint8)
     out, want = _run(case, record, splits=3, sinks=_sinks("finite", 13), workspace=workspace)
     assert not EXACT_CLASS_BOUND.violations(measure(out, want))
@@ -192,3 +192,57 @@ def test_bench_traffic_lists_the_dsv4_plans():
     text = subprocess.run([sys.executable, "-m", "mla_sm120_plugin.cli", "bench", "--traffic", "sm120"],
                           capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "triton_dsv4 on sm120" in text.stdout
+
+
+# ---------------------------------------------------------------- graph safety: scratch and allocation
+
+@pytest.mark.parametrize("family", ["sm120", "sm121", "sm90"])
+def test_no_planned_call_needs_more_scratch_than_the_bound(family):
+    """The engines set aside :func:`plan.scratch_bound` bytes once; every planned call's partials fit
+    (tokens around the points where a wave's slots divide: 113 and 171 programs split in 4 and 2)."""
+    bound = plan.scratch_bound(family)
+    most = 0
+    for name in plan.SHAPES:
+        for t in (*range(1, 17), 24, 32, 48, 64, 85, 113, 114, 171, 172, 340, 341):
+            for h in (8, 13, 16, 48, 64, 128):
+                for w, e in plan.CANDIDATE_ROWS:
+                    cfg = plan.choose(name, t, h, w, e, family)[0]
+                    most = max(most, plan.scratch_bytes(t, h, cfg.num_splits))
+    assert 0 < most <= bound <= plan.scratch_bound()
+    assert most > bound // 2, (most, bound)  # the bound is not slack by more than the proof's factor 2
+
+
+def _engine_call(record, splits, workspace):
+    """vLLM's keyword call of the FlashInfer SM120 surface: NHD pages, [T, 1, K] index rows, its
+    workspace and its preallocated ``out``."""
+    from mla_sm120_plugin.dispatch.dsv4 import triton_dsv4
+
+    q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _case(record, seed=6)
+    out = torch.empty_like(q)
+    def pages(pool, size):  # the engines' view: a page's records packed, pages padded
+        return pool[:, :size * record.token_bytes].view(pool.shape[0], size, 1, record.token_bytes)
+
+    kwargs = dict(query=q, swa_kv_cache=pages(swa, 64),
+                  workspace_buffer=workspace, sparse_indices=swa_idx.unsqueeze(1),
+                  compressed_kv_cache=pages(comp, 2), out=out,
+                  bmm1_scale=SCALE, sinks=torch.randn(13), kv_layout="NHD", swa_topk_lens=swa_len,
+                  extra_sparse_indices=comp_idx.unsqueeze(1), extra_sparse_topk_lens=comp_len, num_splits=splits,
+                  kv_cache_format="nvfp4" if record.nope_bits == 4 else "fp8")
+    return triton_dsv4, kwargs
+
+
+@pytest.mark.parametrize("record_name", list(RECORDS))
+def test_a_call_on_the_engines_buffers_allocates_nothing(record_name):
+    """Split, with the engine's workspace and ``out``: no torch op in the call makes new storage; the
+    same call without the workspace allocates its partials (the counter sees an allocation)."""
+    from helpers import CountingAllocator
+
+    record = RECORDS[record_name]
+    fn, kwargs = _engine_call(record, 3, torch.zeros(plan.scratch_bound(), dtype=torch.uint8))
+    with CountingAllocator() as counted:
+        fn(**kwargs)
+    assert counted.allocations == []
+    fn, kwargs = _engine_call(record, 3, None)
+    with CountingAllocator() as counted:
+        fn(**kwargs)
+    assert [shape for _, shape, _ in counted.allocations] == [(5, 3, 13, 512), (5, 3, 13)]

@@ -103,3 +103,26 @@ def test_an_unplanned_compressed_page_is_refused_naming_the_plan(planned):
     with pytest.raises(Exception) as err:
         sm120.flash_mla_with_kvcache_sm120(**kwargs)
     assert "compressed cache of 32 entries a page" in str(err.value) and "c4a (64)" in str(err.value)
+
+
+def test_a_split_call_carves_its_partials_from_the_scratch_set_aside_at_init(planned, monkeypatch):
+    """Graph safety in SGLang: the backend's init sets aside the partials' bytes once (outside
+    inference mode); a split call under inference mode then writes them there and allocates only
+    its ``out`` (SGLang's call passes none, and its FlashInfer path returns a new one too). The call
+    is small enough that its plan is one pass, so the split is forced (MLA_SM120_SPLITS)."""
+    from helpers import CountingAllocator
+
+    from mla_sm120_plugin.kernels.dsv4 import plan
+
+    dsv4.bound_state()  # the backend's init: bind and self-check (its cases allocate, before capture)
+    scratch = dsv4.scratch_for(torch.device("cpu"))
+    assert scratch.numel() == plan.scratch_bound() and not scratch.is_inference()
+    assert dsv4.scratch_for(torch.device("cpu")) is scratch  # made once
+    scratch.fill_(0xFF)
+    monkeypatch.setenv("MLA_SM120_SPLITS", "3")
+    kwargs, want = _call(3, 16, 64)
+    with torch.inference_mode(), CountingAllocator() as counted:
+        out, _ = sm120.flash_mla_with_kvcache_sm120(**kwargs)
+    assert EXACT_CLASS_BOUND.violations(measure(out[:, 0], want)) == []
+    assert [(shape, dtype) for _, shape, dtype in counted.allocations] == [((3, 16, 512), torch.bfloat16)]
+    assert int((scratch != 0xFF).sum()) > 0  # the split partials were written into it

@@ -465,3 +465,16 @@ def test_vllms_block_accounting_gives_the_nvfp4_record_more_blocks(tmp_path, sm)
 
 
 NVFP4_GAIN = layout.FP8_RECORD.token_bytes / layout.NVFP4_RECORD.token_bytes  # 1.52: the record alone
+
+
+def test_every_planned_split_fits_the_workspace_vllm_passes_the_call():
+    """vLLM hands each DeepSeek-V4 call FlashInfer's workspace (made once a device, before capture);
+    the most partials any planned call writes fit in it, so the routed call carves them from there
+    and allocates none (tests/kernels/test_dsv4_split.py: the call on the engines' buffers)."""
+    from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
+
+    from mla_sm120_plugin.kernels.dsv4 import plan
+
+    assert plan.scratch_bound() <= flashinfer_sparse._FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE
+    workspace = flashinfer_sparse._get_flashinfer_dsv4_workspace(torch.device("cpu"))
+    assert workspace.dtype == torch.uint8 and workspace.is_contiguous()  # what triton_dsv4 carves from

@@ -5,7 +5,8 @@
   phase) (:func:`.translate.plan_from_sglang`), refuses at launch what cannot be served and exports
   the plan for the schedulers.
 - ``DeepseekV4AttnBackend.__init__`` (AROUND, each scheduler): binds each kind's kernels from the
-  launcher's plan and self-checks them (:func:`bound_state`).
+  launcher's plan and self-checks them (:func:`bound_state`), and sets aside the split partials'
+  scratch on the backend's device (:func:`scratch_for`), before SGLang captures its graphs.
 - ``flash_mla_with_kvcache_sm120`` (AROUND, every DeepSeek-V4 attention call on SM12x): the call's
   layer kind is its compressed cache's page (none: the window), its phase SGLang's own split (more
   than ``SM120_DECODE_MAX_TOKENS`` tokens: the prefill form); where the plan gives FlashInfer's
@@ -39,6 +40,7 @@ DECODE_MAX = "sglang.kernels.ops.attention.flash_mla_sm120.SM120_DECODE_MAX_TOKE
 FLASHINFER_CALL = "flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4"
 
 _bound: dict[str, Any] = {}  # "state": this process's BoundState
+_scratch: dict[Any, Any] = {}  # device -> the split partials' persistent bytes (torch.Tensor)
 
 
 def around_defaults(original_fn: Callable[..., Any], server_args: Any, model_arch: Any, *args: Any,
@@ -97,11 +99,33 @@ def bound_state() -> BoundState:
     return _bound["state"]
 
 
-def around_backend_init(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``DeepseekV4AttnBackend.__init__``: bind and self-check the plan's kernels in this scheduler."""
-    result = original_fn(*args, **kwargs)
+def scratch_for(device: Any) -> Any:
+    """The bytes every plugin-kernel call on ``device`` carves its split partials from, made once.
+
+    SGLang's call passes no workspace, and a CUDA graph captured around an allocation replays into
+    memory the allocator may since have handed out; so the most any planned call needs
+    (:func:`~mla_sm120_plugin.kernels.dsv4.plan.scratch_bound`, about 22 MB) is allocated once, at
+    backend init (before capture), outside inference mode (an inference tensor cannot be written
+    by a later call made outside it).
+    """
+    scratch = _scratch.get(device)
+    if scratch is None:
+        import torch
+
+        from ...kernels.dsv4.plan import scratch_bound
+
+        with torch.inference_mode(False):
+            scratch = _scratch[device] = torch.empty(scratch_bound(), dtype=torch.uint8, device=device)
+    return scratch
+
+
+def around_backend_init(original_fn: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``DeepseekV4AttnBackend.__init__``: bind and self-check the plan's kernels in this
+    scheduler, and set aside the split partials' scratch on the backend's device."""
+    result = original_fn(backend, *args, **kwargs)
     if enabled():
         bound_state()
+        scratch_for(backend.device)
     return result
 
 
@@ -112,7 +136,8 @@ def around_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     [pages, 256, 1, 584] float8_e4m3fn window pages (stride(0): the padded page bytes); indices:
     [T, 1, W] int32 global slots, -1 padded; topk_length: [T] int32; attn_sink: [H] float32;
     extra_k_cache: [pages, 256 / ratio, 1, 584] or None, with extra_indices_in_kvcache [T, 1, K] and
-    extra_topk_length [T]. Returns (out [T, 1, H, 512] bfloat16, None), as SGLang's FlashInfer path.
+    extra_topk_length [T]. Returns (out [T, 1, H, 512] bfloat16, None), as SGLang's FlashInfer path
+    (a new ``out``, as there: SGLang passes none); split partials go to :func:`scratch_for`'s bytes.
     """
     if not enabled() or args:
         return original_fn(*args, **kwargs)
@@ -137,13 +162,14 @@ def around_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
              swa_topk_lens=kwargs.get("topk_length"), sinks=kwargs.get("attn_sink"),
              bmm1_scale=q.shape[-1] ** -0.5 if scale is None else scale, kv_layout="NHD", compressed_kv_cache=extra,
              extra_sparse_indices=kwargs.get("extra_indices_in_kvcache"),
-             extra_sparse_topk_lens=kwargs.get("extra_topk_length"))
+             extra_sparse_topk_lens=kwargs.get("extra_topk_length"), workspace_buffer=_scratch.get(q.device))
     return out.unsqueeze(1), None
 
 
 def reset_for_tests() -> None:
-    """Forget this process's bound state (tests; SGLang binds once a process)."""
+    """Forget this process's bound state and scratch (tests; SGLang binds once a process)."""
     _bound.clear()
+    _scratch.clear()
 
 
 HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook AROUND it

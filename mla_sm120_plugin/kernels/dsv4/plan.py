@@ -108,6 +108,27 @@ def choose(record_name: str, num_tokens: int, num_heads: int, window: int, compr
     return shape.config.split(splits, per_split), why
 
 
+def scratch_bytes(num_tokens: int, num_heads: int, num_splits: int) -> int:
+    """Bytes a call's split partials take: fp32 ``[T, S, H, 512]`` and their LSE ``[T, S, H]`` (0 unsplit)."""
+    if num_splits <= 1:
+        return 0
+    return num_tokens * num_splits * num_heads * _PARTIAL_ROW
+
+
+def scratch_bound(family_name: str | None = None) -> int:
+    """The most partial bytes any planned call takes, whatever its tokens, heads or widths (on
+    ``family_name``'s plans; every family's by default): what an engine preallocates once.
+
+    Why it is finite: the rule splits only while a wave has CTA slots left (``programs < slots``)
+    and into at most ``cdiv(slots, programs)`` ranges, so a split call has fewer than
+    ``2 x slots`` (token, head block, range) programs, each with ``block_h`` partial rows. A call
+    forced past its plan (``num_splits=`` / ``MLA_SM120_SPLITS``) may need more; it then allocates.
+    """
+    names = FAMILIES if family_name is None else (family_name,)
+    return max((2 * FAMILIES[f].num_sms * shape.ctas_per_sm[f] - 2) * shape.config.block_h * _PARTIAL_ROW
+               for f in names for shape in SHAPES.values())
+
+
 def launch_config(record: layout.Dsv4Record, num_tokens: int, num_heads: int, window: int, compressed: int,
                   family_name: str = DEFAULT_FAMILY) -> Dsv4Config:
     """:func:`choose`'s config for a call over caches of ``record``."""

@@ -198,13 +198,6 @@ def _check_cache(name: str, cache: torch.Tensor, indices: torch.Tensor, lengths:
                    "pass one length a token, or None")
 
 
-def scratch_bytes(num_tokens: int, num_heads: int, num_splits: int) -> int:
-    """Bytes a call's split partials take: fp32 ``[T, S, H, 512]`` and their LSE ``[T, S, H]`` (0 unsplit)."""
-    if num_splits <= 1:
-        return 0
-    return num_tokens * num_splits * num_heads * (OUT_DIM + 1) * 4
-
-
 def _scratch(q: torch.Tensor, num_splits: int, workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The split partials, carved from the front of ``workspace`` where it holds them (an engine's
     preallocated bytes: nothing is allocated in the call), else allocated."""
@@ -213,7 +206,7 @@ def _scratch(q: torch.Tensor, num_splits: int, workspace: torch.Tensor | None) -
     partial_bytes = tokens * num_splits * heads * OUT_DIM * 4
     if (workspace is not None and workspace.dtype == torch.uint8 and workspace.device == q.device
             and workspace.is_contiguous() and workspace.data_ptr() % 16 == 0
-            and workspace.numel() >= scratch_bytes(tokens, heads, num_splits)):
+            and workspace.numel() >= plan.scratch_bytes(tokens, heads, num_splits)):
         flat = workspace.view(-1)
         partials = flat[:partial_bytes].view(torch.float32).view(*shape, OUT_DIM)
         lse = flat[partial_bytes:partial_bytes + tokens * num_splits * heads * 4].view(torch.float32).view(shape)
@@ -228,7 +221,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
                 record: layout.Dsv4Record = REC, workspace: torch.Tensor | None = None) -> list[Launch]:
     """The launches of one call (what :func:`dsv4_attention` runs and the compile gate compiles):
     one when ``cfg.num_splits == 1``; otherwise the split kernel into fp32 partials (from
-    ``workspace`` where it is large enough, :func:`scratch_bytes`), then the shared combine into ``out``."""
+    ``workspace`` where it is large enough, :func:`.plan.scratch_bytes`), then the shared combine into ``out``."""
     cfg = cfg or default_config(record)
     tokens, heads, _ = q.shape
     extra = extra_cache is not None
@@ -320,7 +313,7 @@ def dsv4_attention(
     :param num_splits: force the plan's block shape into this many candidate ranges (tests, the
         self-check; ``config`` wins where both are given).
     :param workspace: uint8 bytes the split partials are carved from where they fit
-        (:func:`scratch_bytes`; 16-byte aligned, contiguous, on q's device), else they are allocated.
+        (:func:`.plan.scratch_bytes`; 16-byte aligned, contiguous, on q's device), else they are allocated.
     :param record: the caches' record: :data:`.layout.FP8_RECORD` (584 bytes) or
         :data:`.layout.NVFP4_RECORD` (384 bytes: e2m1 x e4m3 NoPE, exact in bf16 too).
     :returns: ``out``: [T, H, 512] in q's dtype (no LSE).
