@@ -5,6 +5,8 @@
 exact and fast Triton kernels and their candidate configurations), the same report as
 ``mla-sm120 bench``; the JSON is rewritten after every shape, so a run cut short keeps what it
 measured. ``--sweep``: every shape, without the compile gate (benchmarks/device_run.sh).
+``--dsv4``: the DeepSeek-V4 kernels instead (:mod:`mla_sm120_plugin.tools.bench_dsv4`: the Triton kernel
+on its plan and unsplit, and FlashInfer's, at T 1/6/64 x heads 8-128 x C4A / C128A x both records).
 ``--device cpu``: the torch reference's time and memory against a naive full gather
 (:mod:`cpu_memory`, beside this file). ``--traffic [FAMILY]``: the launch plans' modeled bytes
 for the acceptance shapes and the configuration table (no GPU needed). What each number measures
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-layout", default="fp8_ds_mla",
                         help="GPU: the cache layout to time (fp8_ds_mla; GLM-5.3-Flash's fp8_ds_mla_nope / fp8_nope; "
                              "bf16; bf16_nope)")
+    parser.add_argument("--dsv4", action="store_true", help="GPU: time the DeepSeek-V4 kernels instead")
     parser.add_argument("--plot", default=None, help="GPU only: also draw the results to this PNG")
     parser.add_argument("--output", default=None, help="write the JSON here instead of stdout")
     args = parser.parse_args(argv)
@@ -59,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
 
         _write(run_cpu_benchmarks(quick=args.quick), args.output)
         return 0
+    progress = (lambda partial: _write(partial, args.output)) if args.output else None
+    if args.dsv4:
+        from mla_sm120_plugin.tools import bench_dsv4
+
+        _write(bench_dsv4.run(device=device, progress=progress), args.output)
+        return 0
     from mla_sm120_plugin.tools.bench import plot, run_gpu_benchmarks
 
-    progress = (lambda partial: _write(partial, args.output)) if args.output else None
     report = run_gpu_benchmarks(device=device, quick=args.quick, compile_report=not args.sweep, progress=progress,
                                 kv_layout=args.kv_layout)
     _write(report, args.output)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One short run on a lent GPU machine (<= 6 minutes on an H200; see the device tool's README):
+# One short run on a lent GPU machine (<= 9 minutes on an H200; see the device tool's README):
 #   1. the kernel tests on the GPU, compiled (the exact and fast Triton kernels against the torch
 #      reference; the compile gate, which needs no GPU, runs on the CPU machine instead),
 #   2. the traffic model and configuration table (pure Python) for the record,
 #   3. the sweep: exact vs fast, each with the table's config and its neighbours, at T=1/64/2048 x
 #      heads 4/8/16/64/128, top-k 2048, eager and CUDA graph and host us, with the copy and matmul
-#      ceilings measured in the same run (JSON rewritten after every shape, PNG at the end).
+#      ceilings measured in the same run (JSON rewritten after every shape, PNG at the end),
+#   4. DeepSeek-V4: the Triton kernel on its plan and unsplit, and FlashInfer's where it runs, at
+#      T=1/6/64 x heads 8/16/64/128 x C4A (128 + 512) / C128A (128 + 8,192) x both records, eager and
+#      CUDA graph, on 512 MiB caches (DRAM, not L2), the copy bandwidth beside it (dsv4.json).
 # On sm_90 the fast kernel's fp8 dots are emulated (no fp8 mma.sync there): bench.json says so
 # beside its numbers ("note", "fast_kernel_note"). Needs only torch, triton (3.6 works), pytest and
 # pluggy; everything lands under $OUT:
-#   run: PYTHONPATH=. bash benchmarks/device_run.sh      (timeout_s ~420 leaves room for a rerun)
+#   run: PYTHONPATH=. bash benchmarks/device_run.sh      (timeout_s ~560; or steps 1-3 alone: SKIP_DSV4=1)
 set -u
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -26,6 +29,10 @@ python benchmarks/bench_kernels.py --traffic sm120 > "$OUT/plan_sm120.txt" 2>&1
 timeout 180 python benchmarks/bench_kernels.py --device cuda --sweep --output "$OUT/bench.json" \
     --plot "$OUT/bench.png" > /dev/null 2> "$OUT/bench.err"
 echo "bench rc=$?"; tail -3 "$OUT/bench.err"
+if [ "${SKIP_DSV4:-0}" != 1 ]; then
+    timeout 200 python benchmarks/bench_kernels.py --device cuda --dsv4 --output "$OUT/dsv4.json" 2> "$OUT/dsv4.err"
+    echo "dsv4 rc=$?"; tail -3 "$OUT/dsv4.err"
+fi
 python - "$OUT/bench.json" <<'PY' 2>/dev/null || true
 import json, sys
 report = json.load(open(sys.argv[1]))
@@ -37,4 +44,13 @@ for row in report["results"]:
             cells.append(f"{kernel.replace('triton_sparse_mla', 'tr')}/{label}="
                          + (f"{e['graph_us']:.0f}us" if "graph_us" in e else "err"))
     print(f"T={row['num_tokens']} H={row['num_heads']}: " + " ".join(cells))
+PY
+python - "$OUT/dsv4.json" <<'PY' 2>/dev/null || true
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"dsv4: {report['device']} copy {report['copy_gbps']:.0f} GB/s, shapes {len(report['results'])}")
+for row in report["results"]:
+    cells = [f"{label}=" + (f"{e['graph_us']:.1f}us" if "graph_us" in e else "err") for label, e in row["kernels"].items()]
+    print(f"{row['record']} {row['kind']} T={row['num_tokens']} H={row['num_heads']} splits={row['num_splits']}: "
+          + " ".join(cells))
 PY

@@ -289,6 +289,12 @@ def _bench(args: argparse.Namespace) -> int:
         raise KernelInputError(format_error(f"--device {args.device!r}", "cuda or cuda:N (the benchmark times GPU "
                                             "kernels)", "pass --device cuda, or use --compile-only --arch 120 on a "
                                             "machine without a GPU"))
+    clashing = [flag for flag, on in (("--compile-only", args.compile_only), ("--traffic", args.traffic),
+                                      ("--plot", args.plot), ("--quick", args.quick)) if on]
+    if args.dsv4 and clashing:
+        raise KernelInputError(format_error(f"--dsv4 with {', '.join(clashing)}",
+                                            "--dsv4 with --device, --output, --json",
+                                            "time DeepSeek-V4 alone, or drop --dsv4 (`--traffic` prints its plans)"))
     if args.traffic:
         from .kernels.dsa import triton_plan
         from .kernels.dsv4 import plan as dsv4_plan
@@ -325,6 +331,12 @@ def _bench(args: argparse.Namespace) -> int:
         # The gate's own verdict: compiled, no spills, shared memory within a block, and every fast
         # variant on SM12x with block-scaled fp8 MMAs at the plan's CTAs per SM, under both ptxas builds.
         ok = result["gate_passed"]
+    elif args.dsv4:
+        from .tools import bench_dsv4
+
+        result = bench_dsv4.run(device=args.device or "cuda")
+        text = json.dumps(result, indent=2)
+        ok = True
     else:
         from .tools import bench
 
@@ -408,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="timings: cuda or cuda:N (default cuda)")
     bench.add_argument("--plot", help="timings: also draw GB/s and TFLOP/s against the ceilings (matplotlib)")
     bench.add_argument("--output", help="also write the JSON here")
+    bench.add_argument("--dsv4", action="store_true",
+                       help="timings of the DeepSeek-V4 kernels instead: the Triton kernel on its plan and unsplit, "
+                            "and FlashInfer's, at T 1/6/64 x heads 8-128 x C4A / C128A x both records")
     bench.add_argument("--traffic", nargs="?", const="sm120", choices=("sm120", "sm121", "sm90"),
                        help="print the bytes each launch plan moves against the minimum, and the split table the "
                             "Triton kernels use (no GPU, no torch)")

@@ -100,3 +100,55 @@ def test_plot_draws_both_ceilings(tmp_path):
     assert bench.SM90_FAST_NOTE in gbps_axis.get_title()
     bench.plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_dsv4_shapes_are_the_ones_the_split_issue_names():
+    from mla_sm120_plugin.tools import bench_dsv4
+
+    assert {(t, h) for _, _, t, h in bench_dsv4.SHAPES} == {(t, h) for t in (1, 6, 64) for h in (8, 16, 64, 128)}
+    assert {kind: (bench_dsv4.WINDOW, c) for kind, (c, _) in bench_dsv4.KINDS.items()} == {
+        "c4a": (128, 512), "c128a": (128, 8192)}
+    assert {r for r, *_ in bench_dsv4.SHAPES} == {"fp8_dsv4", "nvfp4_dsv4"}
+    assert bench_dsv4.FOOTPRINT_BYTES >= 4 * (128 << 20)  # several times the largest SM120 L2
+
+
+@pytest.mark.parametrize("record", ["fp8_dsv4", "nvfp4_dsv4"])
+def test_dsv4_bench_rows_run_what_they_time_and_check_it(record):
+    """The CPU run of one row (no timings): the plan and the unsplit kernel on the bench's own inputs
+    (full rows spread over the pools) match float64; FlashInfer's kernel, which cannot run here, is
+    an error in its entry, not a failure of the row."""
+    from mla_sm120_plugin.tools import bench_dsv4
+
+    row = json.loads(json.dumps(bench_dsv4.shape_row(record, "c4a", 2, 8, "cpu", "sm120", None, footprint=1 << 20)))
+    assert row["num_splits"] >= 1 and row["minimum_bytes"] > 0
+    assert row["modeled_us"]["plan"] <= row["modeled_us"]["unsplit"]
+    for label in ("plan", "unsplit"):
+        entry = row["kernels"][label]
+        assert "error" not in entry, entry
+        assert entry["cos_diff"] <= 5e-6 and entry["rel_rms"] <= 3e-3, entry
+    flashinfer = row["kernels"]["flashinfer"]
+    assert "error" in flashinfer or (flashinfer["cos_diff"] <= 5e-6 and flashinfer["rel_rms"] <= 3e-3), flashinfer
+
+
+@pytest.mark.skipif(not ON_GPU, reason="timings need a CUDA GPU (mla-sm120 bench --dsv4 on a GPU machine runs it)")
+def test_gpu_dsv4_report():
+    from mla_sm120_plugin.tools import bench_dsv4
+
+    report = json.loads(json.dumps(bench_dsv4.run(shapes=[("fp8_dsv4", "c4a", 1, 8), ("nvfp4_dsv4", "c128a", 6, 16)])))
+    assert report["copy_gbps"] > 0
+    for row in report["results"]:
+        for label in ("plan", "unsplit"):
+            entry = row["kernels"][label]
+            assert "error" not in entry and entry["graph_us"] > 0, entry
+            assert entry["cos_diff"] <= 5e-6 and entry["rel_rms"] <= 3e-3, entry
+
+
+def test_dsv4_timings_refuse_what_they_cannot_do():
+    from helpers import assert_three_parts, run_cli
+
+    clash = run_cli("bench", "--dsv4", "--plot", "x.png", "--quick")
+    assert clash.returncode != 0
+    assert_three_parts(clash.stderr.split("KernelInputError: ", 1)[1].strip(), "--dsv4 with --plot, --quick")
+    if not ON_GPU:
+        done = run_cli("bench", "--dsv4")
+        assert done.returncode != 0 and "a CUDA GPU for DeepSeek-V4 timings" in done.stderr, done.stderr
