@@ -145,7 +145,7 @@ def test_the_grid_is_a_function_of_shapes_not_lengths():
     record = layout.FP8_RECORD
     case = _case(record, tokens=1, heads=8, window=128, extra=512)
     first = _grid(case, record, 1)
-    assert len(first) == 2 and first[0][0][2] > 1  # T=1 C4A splits: the split kernel and the combine
+    assert len(first) == 2 and first[0][0][1] > 1  # T=1 C4A splits: the split kernel and the combine
     assert all(_grid(case, record, seed) == first for seed in (2, 3, 4))
 
 
@@ -154,28 +154,50 @@ def test_the_grid_is_a_function_of_shapes_not_lengths():
 def test_plans_split_at_one_token_and_stay_single_pass_where_a_wave_fills():
     rec = layout.FP8_RECORD
     t1 = plan.launch_config(rec, 1, 8, 128, 8192, "sm120")
-    assert t1.num_splits > 1 and t1.blocks_per_split * t1.block_n * (t1.num_splits - 1) < 128 + 8192
+    assert 1 < t1.num_splits <= cdiv(128 + 8192, t1.block_n)  # at least one step a range
+    assert t1.blocks_per_split == cdiv(cdiv(128 + 8192, t1.block_n), t1.num_splits)  # the longest range
     # 64 tokens x 8 head blocks of 128 heads fill 340 CTA slots: no split
     assert plan.launch_config(rec, 64, 128, 128, 512, "sm120").num_splits == 1
     # GB10 has 48 SMs: fewer splits than an RTX 5090 for the same call
-    assert plan.launch_config(rec, 1, 8, 128, 8192, "sm121").num_splits <= t1.num_splits
+    assert plan.launch_config(rec, 1, 8, 128, 8192, "sm121").num_splits < t1.num_splits
 
 
 @pytest.mark.parametrize("family", ["sm120", "sm121", "sm90"])
-def test_every_plan_is_whole_steps_and_within_the_rule(family):
+def test_every_plan_is_within_the_rule(family):
+    """At most one wave of resident CTAs (the rule may take up to ``cdiv(slots, programs)`` ranges),
+    at least one step a range, and splitting adds no more DRAM bytes than the budget."""
+    fam = plan.FAMILIES[family]
     for name, shape in plan.SHAPES.items():
         record = layout.RECORDS[name]
+        slots = fam.num_sms * shape.ctas_per_sm[family]
         for t, h, w, e in plan.MUST_SHOW:
             cfg = plan.launch_config(record, t, h, w, e, family)
-            blocks = cdiv(w + e, cfg.block_n)
+            programs = t * cdiv(h, cfg.block_h)
             if cfg.num_splits > 1:
-                assert cdiv(blocks, cfg.blocks_per_split) == cfg.num_splits  # no empty range
-                assert cfg.num_splits <= plan.MAX_SPLITS
-                extra = (plan.traffic(cfg, t, h, w, e, record).total
-                         - plan.traffic(shape.config, t, h, w, e, record).total)
-                unsplit = plan.traffic(shape.config, t, h, w, e, record)
-                fam = plan.FAMILIES[family]
+                assert cfg.num_splits <= min(cdiv(slots, programs), cdiv(w + e, cfg.block_n), plan.MAX_SPLITS)
+                unsplit = plan.traffic(shape.config, t, h, w, e, record, family)
+                extra = plan.traffic(cfg, t, h, w, e, record, family).total - unsplit.total
                 assert extra <= min(unsplit.cache, max(0.2 * unsplit.total, fam.latency_bytes))
+
+
+@pytest.mark.parametrize("family, reference_sms", [("sm120", 170), ("sm121", 48)])
+def test_one_token_fills_the_part_and_a_batch_moves_the_minimum(family, reference_sms):
+    """The split issue's must-show, from the plans `bench --traffic` prints: at T=1 (8 / 16 / 64
+    heads, C4A 128 + 512 and C128A 128 + 8,192) the programs reach the smaller of 90 % of a wave of
+    resident CTAs and one a 64 candidates a head block; at T=64 every plan moves <= 1.25x the
+    minimum bytes."""
+    for name, shape in plan.SHAPES.items():
+        record = layout.RECORDS[name]
+        wave = reference_sms * shape.ctas_per_sm[family]
+        for h in (8, 16, 64):
+            for e in (512, 8192):
+                report = plan.plan_report(name, 1, h, 128, e, family)
+                head_blocks = cdiv(h, report["block_h"])
+                assert report["modeled"]["programs"] >= min(0.9 * wave, head_blocks * cdiv(128 + e, 64)), report
+                assert report["modeled"]["modeled_us"] < report["unsplit"]["modeled_us"], report
+        for h in (8, 16, 64, 128):
+            for e in (512, 8192):
+                assert plan.plan_report(name, 64, h, 128, e, family)["traffic"]["ratio"] <= 1.25
 
 
 def test_bench_traffic_lists_the_dsv4_plans():

@@ -17,11 +17,16 @@ from dataclasses import dataclass, replace
 from mla_sm120_plugin.kernels.dsv4 import layout
 from mla_sm120_plugin.kernels.shared.host import cdiv
 from mla_sm120_plugin.kernels.shared.launch_plan import (
-    DEFAULT_FAMILY, FAMILIES, LATENCY_US, ArchFamily, Traffic, cut, split_rule,
+    DEFAULT_FAMILY, FAMILIES, LATENCY_US, ArchFamily, Traffic, launch_time_us, split_rule,
 )
 
 KERNEL = "triton_dsv4"
-MAX_SPLITS = 64  # as the DSA plans: the combine walks every split of a (token, head block)
+# The combine merges 32 splits a step (launch_plan.COMBINE_SPLIT_BLOCK), so splits are bounded by
+# the wave (and the model's time), not by a walk over them; this only caps the grid's second axis.
+MAX_SPLITS = 1024
+# A step loads its index row, then the rows the ids name: two dependent round trips (the kernel
+# runs one stage and does not prefetch the next step's ids, as the DSA kernels do).
+ROUND_TRIPS_PER_STEP = 2
 _PARTIAL_ROW = layout.HEAD_DIM * 4 + 4  # an fp32 partial row and its LSE, a head
 
 
@@ -76,19 +81,29 @@ def shape_of(record: layout.Dsv4Record) -> Dsv4Shape:
 
 
 def traffic(cfg: Dsv4Config, num_tokens: int, num_heads: int, window: int, compressed: int,
-            record: layout.Dsv4Record = layout.FP8_RECORD) -> Traffic:
+            record: layout.Dsv4Record = layout.FP8_RECORD, family_name: str = DEFAULT_FAMILY) -> Traffic:
     """Bytes the launches of ``cfg`` move for a [T, H, 512] bf16 q over ``window`` + ``compressed``
-    candidates a token, every one valid and distinct (the most a call reads); bf16 out, fp32 partials."""
+    candidates a token, every one valid and distinct (the most a call reads); bf16 out, fp32 partials.
+
+    DRAM moves a token's rows and ids once (its head blocks are grid neighbours, run side by side
+    and walk the same rows: L2 serves the others), q and out once; L2 serves every further read of
+    q (each split reloads its heads) and the split partials, written and read back, while they take
+    at most a quarter of the family's L2 (otherwise they are DRAM traffic)."""
     candidates = window + compressed
     head_blocks = cdiv(num_heads, cfg.block_h)
     row = num_heads * layout.HEAD_DIM * 2
+    rows = num_tokens * candidates * record.token_bytes
+    partials = num_tokens * cfg.num_splits * num_heads * _PARTIAL_ROW * 2 if cfg.num_splits > 1 else 0
+    resident = partials // 2 <= FAMILIES[family_name].l2_bytes // 4
     return Traffic(
-        cache=num_tokens * head_blocks * candidates * record.token_bytes,
-        q=num_tokens * cfg.num_splits * row,
-        indices=num_tokens * head_blocks * candidates * 4,
-        partials=num_tokens * cfg.num_splits * num_heads * _PARTIAL_ROW * 2 if cfg.num_splits > 1 else 0,
+        cache=rows,
+        q=num_tokens * row,
+        indices=num_tokens * candidates * 4,
+        partials=0 if resident else partials,
         output=num_tokens * row,
         minimum=num_tokens * (candidates * (record.token_bytes + 4) + 2 * row),
+        l2=(head_blocks - 1) * (rows + num_tokens * candidates * 4) + num_tokens * (cfg.num_splits - 1) * row
+        + (partials if resident else 0),
     )
 
 
@@ -104,7 +119,8 @@ def choose(record_name: str, num_tokens: int, num_heads: int, window: int, compr
         family, programs=max(num_tokens, 1) * cdiv(num_heads, shape.config.block_h),
         ctas_per_sm=shape.ctas_per_sm[family_name], blocks=blocks, max_splits=MAX_SPLITS,
         traffic_of=lambda s, per: traffic(shape.config.split(s, per), num_tokens, num_heads, window, compressed,
-                                          record))
+                                          record, family_name),
+        round_trips_per_step=ROUND_TRIPS_PER_STEP, balanced=True)
     return shape.config.split(splits, per_split), why
 
 
@@ -136,24 +152,27 @@ def launch_config(record: layout.Dsv4Record, num_tokens: int, num_heads: int, wi
 
 
 def forced(record: layout.Dsv4Record, num_splits: int, window: int, compressed: int) -> Dsv4Config:
-    """The record's block shape cut into ``num_splits`` ranges of whole steps (fewer where the
-    candidates have fewer steps): what a forced plan runs."""
+    """The record's block shape cut into ``num_splits`` ranges of whole steps (as many as there are
+    steps, where fewer): what a forced plan runs."""
     base = shape_of(record).config
-    return base.split(*cut(cdiv(max(window + compressed, 1), base.block_n), num_splits))
+    splits = min(num_splits, cdiv(max(window + compressed, 1), base.block_n))
+    return base.split(splits, cdiv(cdiv(max(window + compressed, 1), base.block_n), splits))
 
 
 def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int, window: int, compressed: int,
             ctas_per_sm: int, record: layout.Dsv4Record = layout.FP8_RECORD) -> dict:
-    """What a launch costs in the model: its DRAM time (bytes / the family's bandwidth) and its step
-    chain (waves x steps a program walks, each at least one DRAM round trip, plus the combine's)."""
+    """What a launch costs in the model the rule chooses by: its DRAM time (bytes / the family's
+    bandwidth) and its step chain (waves x the longest range's steps x two round trips, plus the
+    combine's), the larger of the two (:func:`~..shared.launch_plan.launch_time_us`)."""
     blocks = cdiv(max(window + compressed, 1), cfg.block_n)
     per_split = cfg.blocks_per_split or blocks
-    programs = max(num_tokens, 1) * cdiv(num_heads, cfg.block_h) * cfg.num_splits
-    waves = cdiv(programs, family.num_sms * ctas_per_sm)
-    steps = waves * per_split + (1 if cfg.num_splits > 1 else 0)
-    dram_us = family.seconds(traffic(cfg, num_tokens, num_heads, window, compressed, record).total) * 1e6
-    return dict(programs=programs, waves=waves, chain_steps=steps, dram_us=round(dram_us, 3),
-                modeled_us=round(max(dram_us, steps * LATENCY_US), 3))
+    programs = max(num_tokens, 1) * cdiv(num_heads, cfg.block_h)
+    total = traffic(cfg, num_tokens, num_heads, window, compressed, record, family.name).total
+    return dict(programs=programs * cfg.num_splits, waves=cdiv(programs * cfg.num_splits, family.num_sms * ctas_per_sm),
+                dram_us=round(family.seconds(total) * 1e6, 3),
+                modeled_us=round(launch_time_us(family, total, programs=programs, ctas_per_sm=ctas_per_sm,
+                                                splits=cfg.num_splits, steps_per_split=per_split,
+                                                round_trips_per_step=ROUND_TRIPS_PER_STEP), 3))
 
 
 # The shapes the split issue names: (tokens, heads, window, compressed): C4A 128 + 512, C128A 128 + 8192.
@@ -174,7 +193,7 @@ def plan_report(record_name: str, num_tokens: int, num_heads: int, window: int, 
         candidates=dict(window=window, compressed=compressed, total=window + compressed),
         num_splits=cfg.num_splits, chunk=cfg.chunk(window + compressed),
         block_h=cfg.block_h, block_n=cfg.block_n, ctas_per_sm=ctas, reason=why,
-        traffic=traffic(cfg, num_tokens, num_heads, window, compressed, record).as_dict(),
+        traffic=traffic(cfg, num_tokens, num_heads, window, compressed, record, family_name).as_dict(),
         modeled=modeled(cfg, family, num_tokens, num_heads, window, compressed, ctas, record),
         unsplit=modeled(shape.config, family, num_tokens, num_heads, window, compressed, ctas, record),
     )
@@ -195,17 +214,19 @@ def json_report(family_name: str = DEFAULT_FAMILY) -> dict:
 
 
 def format_report(family_name: str = DEFAULT_FAMILY) -> str:
-    """:func:`json_report`'s plans as text (bytes in MB; time in µs: max(DRAM time, step chain))."""
+    """:func:`json_report`'s plans as text (bytes in MB; time in µs: :func:`modeled`)."""
     family = FAMILIES[family_name]
-    lines = [f"{KERNEL} on {family_name} ({family.part}, {family.num_sms} SMs); bytes in MB; ratio = modeled / "
-             f"minimum; µs = max(bytes / {family.bandwidth_gbps:.0f} GB/s, steps x {LATENCY_US:g} µs)"]
+    lines = [f"{KERNEL} on {family_name} ({family.part}, {family.num_sms} SMs); MB: DRAM (total, min), L2; ratio = "
+             f"DRAM / minimum; µs = max(DRAM / {family.bandwidth_gbps:.0f} GB/s, waves x steps x "
+             f"{ROUND_TRIPS_PER_STEP} round trips x {LATENCY_US:g} µs + the combine's)"]
     lines.append(f"{'record':<11}{'T':>4}{'H':>5}{'W+E':>11}{'splits':>7}{'chunk':>6}{'programs':>9}{'total':>9}"
-                 f"{'min':>9}{'ratio':>7}{'µs':>8}{'unsplit µs':>11}")
+                 f"{'min':>9}{'L2':>8}{'ratio':>7}{'µs':>8}{'unsplit µs':>11}")
     for name in SHAPES:
         for t, h, w, e in MUST_SHOW:
             r = plan_report(name, t, h, w, e, family_name)
             tr = r["traffic"]
             lines.append(f"{name:<11}{t:>4}{h:>5}{f'{w}+{e}':>11}{r['num_splits']:>7}{r['chunk']:>6}"
                          f"{r['modeled']['programs']:>9}{tr['total'] / 1e6:>9.3f}{tr['minimum'] / 1e6:>9.3f}"
-                         f"{tr['ratio']:>7.3f}{r['modeled']['modeled_us']:>8.1f}{r['unsplit']['modeled_us']:>11.1f}")
+                         f"{tr.get('l2', 0) / 1e6:>8.2f}{tr['ratio']:>7.3f}{r['modeled']['modeled_us']:>8.1f}"
+                         f"{r['unsplit']['modeled_us']:>11.1f}")
     return "\n".join(lines)

@@ -104,25 +104,30 @@ def _attend(q, cache_ptr, idx_ptr, idx_row, lo, hi, page_size, page_stride, capa
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=("chunk",))
+@triton.jit(do_not_specialize=("head_blocks", "steps", "num_splits"))
 def _dsv4_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr,
     swa_ptr, swa_idx_ptr, swa_len_ptr, extra_ptr, extra_idx_ptr, extra_len_ptr,
     num_heads, q_stride_t, q_stride_h, out_stride_t, out_stride_s, out_stride_h, lse_stride_t, lse_stride_s,
     swa_idx_stride, swa_width, swa_page, swa_page_stride, swa_capacity,
     extra_idx_stride, extra_width, extra_page, extra_page_stride, extra_capacity,
-    qk_scale_log2, chunk,
+    qk_scale_log2, head_blocks, steps, num_splits,
     FINAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, HAS_SWA_LEN: tl.constexpr,
     HAS_EXTRA_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
     NVFP4: tl.constexpr,
 ):
-    """One (token, head block, split): candidates ``[split * chunk, split * chunk + chunk)`` of the
-    window's index row followed by the compressed one's (positions by the rows' widths, so the cut
-    depends on shapes only). ``FINAL`` (one split): the sink applied and ``out`` written; otherwise
-    the range's normalized fp32 partial and base-2 LSE, which :mod:`..shared.combine` merges."""
-    tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    """One (token, head block, split): the split's share of the call's ``steps`` steps of ``BLOCK_N``
+    candidates (steps ``[split * steps // num_splits, (split + 1) * steps // num_splits)``: ranges
+    differ by at most one step) of the window's index row followed by the compressed one's
+    (positions by the rows' widths, so the cut depends on shapes only). ``FINAL`` (one split): the
+    sink applied and ``out`` written; otherwise the range's normalized fp32 partial and base-2 LSE,
+    which :mod:`..shared.combine` merges. A token's head blocks are neighbours in the grid's first
+    axis, so they run side by side and read the same rows at about the same time (L2 serves all but
+    the first; the plan's traffic model counts a row once a token)."""
+    pid = tl.program_id(0)
+    tok = (pid // head_blocks).to(tl.int64)
+    heads = (pid % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
     h_mask = heads < num_heads
     cols = tl.arange(0, _HEAD)
     q = tl.load(q_ptr + tok * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + cols[None, :],
@@ -130,8 +135,8 @@ def _dsv4_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, _HEAD], tl.float32)
-    lo = split * chunk
-    hi = lo + chunk
+    lo = (split * steps // num_splits) * BLOCK_N
+    hi = ((split + 1) * steps // num_splits) * BLOCK_N
     n = swa_width
     if HAS_SWA_LEN:
         n = tl.minimum(tl.maximum(tl.load(swa_len_ptr + tok), 0), swa_width)
@@ -228,7 +233,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
     final = cfg.num_splits <= 1
     dummy = swa_indices
     candidates = swa_indices.shape[1] + (extra_indices.shape[1] if extra else 0)
-    chunk = cfg.chunk(candidates)
+    head_blocks = cdiv(heads, cfg.block_h)
     # The cap binds the one variant ptxas builds past it (NVFP4, two caches, unsplit: 156 registers,
     # one CTA an SM); on the others, which it builds at <= 128 uncapped, a cap makes it spill a few bytes.
     maxnreg = cfg.maxnreg if final and extra else None
@@ -240,7 +245,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
         dest_strides, lse_strides = dest.stride()[:3], dest_lse.stride()[:2]
     main = Launch(
         kernel=_dsv4_kernel,
-        grid=(tokens, cdiv(heads, cfg.block_h), cfg.num_splits),
+        grid=(tokens * head_blocks, cfg.num_splits),
         args=(q, dest, dest_lse, sinks if sinks is not None else q,
               swa_cache, swa_indices, swa_lengths if swa_lengths is not None else dummy,
               extra_cache if extra else swa_cache, extra_indices if extra else dummy,
@@ -251,7 +256,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
               extra_indices.stride(0) if extra else 0, extra_indices.shape[1] if extra else 0,
               extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
               extra_cache.shape[0] * extra_page_size if extra else 0,
-              sm_scale * LOG2E, chunk),
+              sm_scale * LOG2E, head_blocks, cdiv(max(candidates, 1), cfg.block_n), cfg.num_splits),
         constexprs=dict(FINAL=final, NVFP4=record.nope_bits == 4, HAS_EXTRA=extra,
                         HAS_SINK=final and sinks is not None, HAS_SWA_LEN=swa_lengths is not None,
                         HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,

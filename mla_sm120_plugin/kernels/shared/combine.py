@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels.shared.host import cdiv
+from mla_sm120_plugin.kernels.shared.launch_plan import COMBINE_SPLIT_BLOCK
 from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, store_rounded
 
 OUT_DIM = 512
-TILE: tl.constexpr = tl.constexpr(OUT_DIM // 4)
+TILE_COLS = OUT_DIM // 4
+TILE: tl.constexpr = tl.constexpr(TILE_COLS)
 
 # Arguments Triton must not specialize on (it compiles a separate variant for every int equal to 1
 # or divisible by 16): the runtime flags and their strides, and counts that are only compared.
@@ -25,11 +26,21 @@ UNSPECIALIZED_COMBINE = ("sink_stride", "has_sink", "write_lse", "num_heads", "n
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
-# The combine kernel reads only fp32 partials; 16 heads x 512 columns in 4 warps keeps it far
-# from spilling, whatever head block the main kernel used.
-COMBINE_BLOCK_H = 16
+# One program a (token, head, 128-column tile), merging 16 splits a step: at one token a call's
+# partials are read by 64 programs for 16 heads, in cdiv(splits, 16) steps each, where one
+# program a (token, 16 heads) walked every split one round trip at a time (launch_plan.py
+# models the combine's steps with COMBINE_SPLIT_BLOCK, defined there).
 COMBINE_WARPS = 4
 COMBINE_STAGES = 2
+
+
+@triton.jit
+def sink_factor(sink, lse2):
+    """``1 / (1 + exp(sink - lse))`` in base 2 (``sink`` natural log, ``lse2`` base 2). A head with
+    nothing valid (lse2 = -inf) has zeros to scale: its factor is 0, also for a -inf sink (padded
+    heads), where -inf - -inf would be NaN."""
+    empty = lse2 == float("-inf")
+    return tl.where(empty, 0.0, 1.0 / (1.0 + tl.math.exp2(sink * LOG2E_K - tl.where(empty, 0.0, lse2))))
 
 
 @triton.jit
@@ -45,11 +56,7 @@ def finalize(
     """
     if has_sink:
         sink = tl.load(sink_ptr + heads * sink_stride, mask=h_mask, other=0.0)
-        # 1 / (1 + exp(sink - lse)) in base 2. A head with nothing valid (lse2 = -inf) has zeros to
-        # scale: its factor is 0, also for a -inf sink (padded heads), where -inf - -inf is NaN.
-        empty = lse2 == float("-inf")
-        factor = tl.where(empty, 0.0, 1.0 / (1.0 + tl.math.exp2(sink * LOG2E_K - tl.where(empty, 0.0, lse2))))
-        factor = factor[:, None]
+        factor = sink_factor(sink, lse2)[:, None]
         acc0 = acc0 * factor
         acc1 = acc1 * factor
         acc2 = acc2 * factor
@@ -75,45 +82,43 @@ def combine_kernel(
     out_ptr, out_stride_t, out_stride_h,
     lse_ptr, lse_stride_t, lse_stride_h, write_lse, lse_scale,
     num_heads, num_splits,
-    BLOCK_H: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
 ):
-    """Merge the splits of one (token, head block): weights exp2(lse_s - max), renormalized."""
+    """Merge one (token, head, column tile)'s splits, ``SPLIT_BLOCK`` a step: weights
+    exp2(lse_s - running max), renormalized; then the sink once, the store and (tile 0) the LSE."""
     tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
-    col = tl.arange(0, TILE)
-    plse_row = plse_ptr + tok * plse_stride_t + heads * plse_stride_h
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    cols = tile * TILE + tl.arange(0, TILE)
+    plse_row = plse_ptr + tok * plse_stride_t + head * plse_stride_h
+    part_row = part_ptr + tok * part_stride_t + head.to(tl.int64) * part_stride_h
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    part_rows = part_ptr + tok * part_stride_t + heads[:, None].to(tl.int64) * part_stride_h + col[None, :]
-    for s in range(num_splits):
-        w = tl.math.exp2(tl.load(plse_row + s * plse_stride_s, mask=h_mask, other=float("-inf")) - m_safe)
-        total += w  # w is 0 for an empty split
-        ptrs = part_rows + s * part_stride_s
-        acc0 += w[:, None] * tl.load(ptrs, mask=h_mask[:, None], other=0.0)
-        acc1 += w[:, None] * tl.load(ptrs + TILE, mask=h_mask[:, None], other=0.0)
-        acc2 += w[:, None] * tl.load(ptrs + 2 * TILE, mask=h_mask[:, None], other=0.0)
-        acc3 += w[:, None] * tl.load(ptrs + 3 * TILE, mask=h_mask[:, None], other=0.0)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([TILE], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        splits = s0 + tl.arange(0, SPLIT_BLOCK)
+        valid = splits < num_splits
+        lse = tl.load(plse_row + splits * plse_stride_s, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.math.exp2(m - m_safe)  # 0 while nothing was valid (m = -inf)
+        w = tl.math.exp2(lse - m_safe)  # 0 for an empty split
+        part = tl.load(part_row + splits[:, None].to(tl.int64) * part_stride_s + cols[None, :],
+                       mask=valid[:, None], other=0.0).to(tl.float32)
+        total = total * rescale + tl.sum(w, axis=0)
+        acc = acc * rescale + tl.sum(w[:, None] * part, axis=0)
+        m = m_new
 
     has_any = total > 0.0
-    inv = tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)[:, None]
-    lse2 = tl.where(has_any, m_safe + tl.math.log2(tl.where(has_any, total, 1.0)), float("-inf"))
-    finalize(
-        out_ptr, tok * out_stride_t, out_stride_h, lse_ptr, tok * lse_stride_t, lse_stride_h,
-        sink_ptr, sink_stride, has_sink, write_lse, lse_scale,
-        heads, h_mask, lse2, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv,
-    )
-
-
+    lse2 = tl.where(has_any, tl.where(m == float("-inf"), 0.0, m) + tl.math.log2(tl.where(has_any, total, 1.0)),
+                    float("-inf"))
+    acc = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    if has_sink:
+        acc = acc * sink_factor(tl.load(sink_ptr + head * sink_stride), lse2)
+    store_rounded(out_ptr + tok * out_stride_t + head.to(tl.int64) * out_stride_h + cols, acc, None)
+    if write_lse:
+        tl.store(lse_ptr + tok * lse_stride_t + head * lse_stride_h, lse2 * lse_scale, mask=tile == 0)
 
 
 def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launch:
@@ -124,7 +129,7 @@ def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launc
     lse_arg = lse if lse is not None else partial_lse
     return Launch(
         kernel=combine_kernel,
-        grid=(num_tokens, cdiv(num_heads, COMBINE_BLOCK_H)),
+        grid=(num_tokens, num_heads, OUT_DIM // TILE_COLS),
         args=(
             partials, *partials.stride()[:3],
             partial_lse, *partial_lse.stride(),
@@ -133,9 +138,9 @@ def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launc
             lse_arg, lse_arg.stride(0), lse_arg.stride(-1), int(lse is not None), lse_scale,
             num_heads, num_splits,
         ),
-        constexprs=dict(BLOCK_H=COMBINE_BLOCK_H),
+        constexprs=dict(SPLIT_BLOCK=COMBINE_SPLIT_BLOCK),
         num_warps=COMBINE_WARPS,
         num_stages=COMBINE_STAGES,
         describe=dict(kernel="combine", part=DTYPE_NAMES[partials.dtype], out=DTYPE_NAMES[out.dtype],
-                      block_h=COMBINE_BLOCK_H, warps=COMBINE_WARPS, stages=COMBINE_STAGES),
+                      splits_a_step=COMBINE_SPLIT_BLOCK, warps=COMBINE_WARPS, stages=COMBINE_STAGES),
     )
