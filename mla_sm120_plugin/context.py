@@ -23,10 +23,11 @@ from .types import AUTO, DeviceInfo, Dsv4Call, SelectionContext
 
 
 def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None,
-              rope: int = ROPE_DIM) -> str:
+              rope: int = ROPE_DIM, sinks: bool = False) -> str:
     """The cache layout an engine's ``--kv-cache-dtype`` value gives a DSA model with a ``rope``-wide
-    rope part (None or ``auto``: the engine's default on a GPU of ``sm_family``)."""
-    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family, rope)
+    rope part (None or ``auto``: the engine's default on a GPU of ``sm_family``, for a model with
+    learned sinks where they differ)."""
+    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family, rope, sinks)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim),
+        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim, facts.sinks),
         kv_cache_dtype_given=None if kv_cache_dtype is None else str(kv_cache_dtype),
         engine=limits.engine,
         kv_lora_rank=facts.kv_lora_rank,
@@ -109,6 +110,7 @@ def build_context(
         forced_by=settings.forced_by(),
         tensor_parallel_size=limits.tensor_parallel_size,
         features=limits.features,
+        sinks=facts.sinks,
     )
 
 

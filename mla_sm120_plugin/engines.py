@@ -93,6 +93,11 @@ class Engine:
         ``index_topk + kpool - 1`` token ids a row (each pick's tokens plus the partial tail),
         rounded up to a multiple of this.
     :param dsv4: how the engine shapes DeepSeek-V4's calls and names its record.
+    :param sink_layout: the layout the engine gives a model with learned sinks under ``auto``, and
+        the only one it accepts for one (SGLang: bf16); None: as for any model.
+    :param sink_layout_refused: why the engine refuses another layout for a sink model.
+    :param native_sink_backends: SM family -> the engine's own sparse-MLA path that applies sinks there.
+    :param sink_note: what the engine does with a model's sinks on SM12x, without the plugin and with it.
     """
 
     name: str
@@ -113,13 +118,19 @@ class Engine:
     no_writer: Mapping[str, str] = field(default_factory=dict)
     native_layout_notes: Mapping[str, str] = field(default_factory=dict)
     pooled_ids_align: int = 1
+    sink_layout: str | None = None
+    sink_layout_refused: str = ""
+    native_sink_backends: Mapping[int, str] = field(default_factory=dict)
+    sink_note: str = ""
 
-    def kv_layout(self, value: str | None, sm_family: int | None, rope: int = ROPE_DIM) -> str:
+    def kv_layout(self, value: str | None, sm_family: int | None, rope: int = ROPE_DIM, sinks: bool = False) -> str:
         """The layout ``--kv-cache-dtype value`` gives a DSA model with a ``rope``-wide rope part on a
-        GPU of ``sm_family``."""
+        GPU of ``sm_family`` (``sinks``: a model with learned sinks)."""
         if value is None or str(value) == "auto":
             fp8 = self.auto_fp8_from_sm is not None and sm_family is not None and sm_family >= self.auto_fp8_from_sm
             base = FP8_DS_MLA if fp8 else BF16
+            if sinks and self.sink_layout is not None:
+                base = self.sink_layout
         else:
             base = self.kv_spellings.get(str(value), str(value))
         return self.nope_layouts.get(base, base) if rope == 0 else base
@@ -201,6 +212,14 @@ VLLM = Engine(
                          NVFP4_DSV4: f"with --kv-cache-dtype {FP8_DS_MLA}: no engine has an NVFP4 DeepSeek-V4 cache "
                          "there (FlashInfer's 384-byte record is SM120/SM121 only)"},
     pooled_ids_align=128,  # the kpool indexer's buffer: round_up(2048 + 3, 128) = 2176 for GLM-5.3-Flash
+    # HYV4MLAAttention._resolve_sink_backend keeps the selected backend if it supports_sink(), else
+    # tries its FLASHMLA_SPARSE sink subclass (SM90 / SM100 only), else loads the sink and disables it.
+    native_sink_backends={9: "HY V4's own FLASHMLA_SPARSE sink backend (vLLM picks it without --attention-backend)",
+                          10: "HY V4's own FLASHMLA_SPARSE sink backend (vLLM picks it without --attention-backend)"},
+    sink_note=("without --attention-backend CUSTOM vLLM 0.33 runs this model on SM12x with the sink disabled "
+               "(its sink path, FLASHMLA_SPARSE, is SM90/SM100 only; 'the sink bias is disabled' in its log); with "
+               "it the plugin's backend answers supports_sink(), vLLM hands it the sink weights and every phase's "
+               "kernel applies them"),
 )
 
 SGLANG = Engine(
@@ -253,6 +272,15 @@ SGLANG = Engine(
     no_writer={NVFP4_DS_MLA: "SGLang 0.5.23 has no nvfp4_ds_mla cache writer (its DSA pool writes fp8_e4m3 "
                "or bf16 rows; only vLLM's DSA writer fills the 352-byte nvfp4 rows)"},
     pooled_ids_align=1,  # 2048 + 3 = 2051 ids for GLM-5.3-Flash
+    # _dsa_kv_cache_dtype_default: learnable sinks force a bfloat16 cache (auto) and refuse fp8.
+    sink_layout=BF16,
+    sink_layout_refused="SGLang 0.5.23 refuses it for a model with learnable DSA attention sinks (a ValueError at "
+                        "launch: 'Learnable DSA attention sinks require a bfloat16 KV cache')",
+    native_sink_backends={9: "--dsa-*-backend flashmla_sparse (SGLang forces it for sink models)",
+                          10: "--dsa-*-backend flashmla_sparse (SGLang forces it for sink models)"},
+    sink_note=("SGLang 0.5.23 serves learnable sinks only with flashmla_sparse (SM90a / SM100f) and a bfloat16 "
+               "cache, so on SM12x its own path has no kernel for this model; with --mla-sm120 every forward's "
+               "attn_sink goes to the plugin's kernel for its phase"),
 )
 
 ENGINES: Mapping[str, Engine] = {engine.name: engine for engine in (VLLM, SGLANG)}

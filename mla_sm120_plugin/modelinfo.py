@@ -101,7 +101,9 @@ class ModelFacts:
         and softmax scale; read and type-checked, not served on).
     :param v_head_dim: the value width per head (likewise).
     :param index_kpool: indexer keys pooled per top-k pick (1: none).
-    :param dsv4: a DeepSeek-V4 model's layer geometry; None for a DSA model."""
+    :param dsv4: a DeepSeek-V4 model's layer geometry; None for a DSA model.
+    :param sinks: the attention carries a learned sink logit per head (the config's
+        ``learnable_sink``; absent: the profile's)."""
 
     arch: str
     name: str
@@ -113,6 +115,7 @@ class ModelFacts:
     v_head_dim: int = 0
     index_kpool: int = 1
     dsv4: Dsv4Geometry | None = None
+    sinks: bool = False
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -179,6 +182,16 @@ def _count(cfg: Any, key: str, bound: int, where: str, profile: ModelProfile | N
         profile_hint = f", or remove it to use the {profile.name} profile's {fallback}" if fallback is not None else ""
         raise _bad_value(where, key, value, f"an integer from {least} to {bound} (not a bool, float or string)",
                          f"set {key} to the model's value{profile_hint}")
+    return value
+
+
+def _flag(cfg: Any, key: str, where: str, fallback: bool) -> bool:
+    """A true/false field; absent: ``fallback`` (the matched profile's)."""
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return fallback
+    if not isinstance(value, bool):
+        raise _bad_value(where, key, value, "true or false (a JSON boolean)", f"set {key} to the model's true or false")
     return value
 
 
@@ -294,12 +307,19 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     geometry = {key: _count(cfg, key, MAX_HEAD_WIDTH, where, profile, key, least) for key, least in GEOMETRY_KEYS.items()}
     # Absent with no profile: no pooling (1), the same as every DSA model before GLM-5.3-Flash.
     kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1
+    sinks = _flag(cfg, "learnable_sink", where, profile is not None and profile.sinks)
+    # Read for their types only: the output gate is the model's, outside the attention call, and a
+    # draft layer is planned as the model's own layers.
+    _flag(cfg, "gated_mla", where, False)
+    if _get(cfg, "num_nextn_predict_layers") is not _ABSENT:
+        _count(cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", 0)
     dsv4 = None
     if profile is not None and profile.family == DSV4_FAMILY:
         # SGLang renames V4.1's architecture to V4's and keeps model_type deepseek_v41.
         v41 = arch in DSV41_ARCHS or _get(cfg, "model_type") == DSV41_MODEL_TYPE
         dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
-    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, **geometry)
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, sinks=sinks,
+                      **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
@@ -337,4 +357,4 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
         return facts_from_hf_config(dict(cfg), name=spec, registry=registry, source=f"the built-in config of {spec}")
     return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk,
                       kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim,
-                      index_kpool=profile.index_kpool)
+                      index_kpool=profile.index_kpool, sinks=profile.sinks)

@@ -16,6 +16,7 @@ from typing import Mapping
 from . import config as config_mod
 from .context import EngineLimits
 from .errors import UnsupportedConfiguration
+from .engines import ENGINES
 from .families import dsa, dsv4
 from .hooks.manager import Registry, get_registry
 from .modelinfo import ModelFacts
@@ -73,8 +74,14 @@ class Plan:
 
 def check_kv_cache_dtype(facts: ModelFacts, engine: str, given: str | None) -> str | None:
     """The ``--kv-cache-dtype`` ``mla-sm120 check`` plans: ``given``, else the fp8 cache a deployment on
-    SM12x uses for this model's family (a DSA model: the engine's fp8 DSA layout; DeepSeek-V4: auto)."""
-    return given if given else PARTS[family_of(facts)].check_kv_cache_dtype(engine)
+    SM12x uses for this model's family (a DSA model: the engine's fp8 DSA layout; DeepSeek-V4: auto),
+    or for a model with learned sinks the one layout the engine accepts for it, where it has one."""
+    if given:
+        return given
+    sink_layout = ENGINES[engine].sink_layout if facts.sinks else None
+    if sink_layout is not None:
+        return ENGINES[engine].spelling(sink_layout)
+    return PARTS[family_of(facts)].check_kv_cache_dtype(engine)
 
 
 def plan(

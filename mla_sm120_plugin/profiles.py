@@ -1,5 +1,6 @@
-"""The built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash and the
-DeepSeek-V4 family (V4-Flash, V4-Pro, V4.1-Flash and their drafts).
+"""The built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash, HY V4
+(Hy4-preview: DSA with learned per-head sinks) and the DeepSeek-V4 family (V4-Flash, V4-Pro,
+V4.1-Flash and their drafts).
 
 Registered through the same hook (``mla_sm120_model_profiles``) as a third party's profiles.
 """
@@ -48,6 +49,21 @@ GLM53_FLASH = ModelProfile(
     qk_rope_head_dim=0,  # no rope part: 512-wide q and keys
     index_kpool=4,  # the released model (2048 + 3 = 2051 ids in SGLang); transformers' default is 16
     aliases=("glm-5.3", "zai-org/GLM-5.3-Flash", "zai-org/GLM-5.3-Flash-FP8"),
+)
+
+HY_V4 = ModelProfile(
+    name="hy-v4",
+    # vLLM 0.33: the model and its MTP draft (class HYV4MTP); SGLang 0.5.23 renames the draft's
+    # architecture to HYV4ForCausalLMNextN. Every one builds the same sparse-MLA layer with a sink.
+    architectures=("HYV4ForCausalLM", "HYV4MTPModel", "HYV4ForCausalLMNextN"),
+    model_type="hy_v4",
+    num_heads=32,
+    index_topk=2048,
+    # vLLM fills the cache with concat_and_cache_mla, SGLang with its amax/448 writer (bf16 under
+    # sinks there): read as values, either is right for every kernel here.
+    kv_scale_format=SCALE_ARBITRARY,
+    sinks=True,  # learnable_sink: one learned logit a head, in the softmax denominator
+    aliases=("hy4-preview", "tencent/Hy4-preview"),
 )
 
 
@@ -105,5 +121,6 @@ def mla_sm120_model_profiles() -> Iterator[ModelProfile]:
     yield GLM_DSA
     yield DEEPSEEK_V32
     yield GLM53_FLASH
+    yield HY_V4
     yield DEEPSEEK_V4
     yield DEEPSEEK_V41

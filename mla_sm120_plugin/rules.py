@@ -50,9 +50,10 @@ def _own_path(engine: Engine, family: str, sm_family: int | None) -> str:
 
 
 def device_refusal(device: DeviceInfo, engine: str, family: str = DSA_FAMILY,
-                   kv_layout: str | None = None) -> Refusal | None:
+                   kv_layout: str | None = None, sinks: bool = False) -> Refusal | None:
     """Why the plugin does not serve ``family`` on ``device`` (None: an SM12x GPU), naming the
-    engine's own path there as the fix (and where it reads ``kv_layout``, when the engine says).
+    engine's own path there as the fix (and where it reads ``kv_layout``, when the engine says; for
+    a model with learned sinks, the path that applies them).
 
     :param engine: the engine key (:data:`~mla_sm120_plugin.engines.ENGINES`).
     :param family: the model family (``"dsa"``, ``"dsv4"``): it chooses the words, never the rule.
@@ -63,8 +64,9 @@ def device_refusal(device: DeviceInfo, engine: str, family: str = DSA_FAMILY,
     backends, models, opt_in = _FAMILY_WORDS[family]
     if device.vendor == "nvidia":
         label = device.label
+        own = words.native_sink_backends.get(device.sm_family) if sinks else None
         fix = (f"on {label} serve without {opt_in}: drop {words.enable_flag}; {words.label}'s own {backends} "
-               f"serve {models} there ({_own_path(words, family, device.sm_family)})")
+               f"serve {models} there ({own or _own_path(words, family, device.sm_family)})")
         note = words.native_layout_notes.get(kv_layout) if kv_layout is not None else None
         if note:
             fix += f" ({note})"
@@ -149,6 +151,12 @@ def _kv_refusal(ctx: SelectionContext) -> Refusal | None:
             f"{engine.spelling(BF16)}",
             kv_dtype_fix(spelled, ctx.engine),
         )
+    if ctx.sinks and engine.sink_layout is not None and ctx.kv_cache_dtype != engine.sink_layout:
+        return Refusal(
+            f"kv_cache_dtype {spelled} for a model with learned attention sinks: {engine.sink_layout_refused}",
+            f"{engine.spelling(engine.sink_layout)} ({engine.sink_layout} rows) for this model under {engine.label}",
+            f"pass {engine.bf16_flag} or leave it at auto",
+        )
     missing = engine.writer_missing(ctx.kv_cache_dtype, ctx.qk_rope_head_dim)
     if missing:
         return Refusal(
@@ -197,7 +205,8 @@ def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> I
         yield from _dsv4_refusals(ctx)
         return
     engine = ENGINES[ctx.engine]
-    for refusal in (device_refusal(ctx.device, ctx.engine, DSA_FAMILY, ctx.kv_cache_dtype), _kv_refusal(ctx)):
+    for refusal in (device_refusal(ctx.device, ctx.engine, DSA_FAMILY, ctx.kv_cache_dtype, ctx.sinks),
+                    _kv_refusal(ctx)):
         if refusal is not None:
             yield refusal
     yield from _feature_refusals(ctx, "the standard DSA cache and top-k path",

@@ -87,6 +87,8 @@ def envelope_reasons(
     if ctx.precision == EXACT and spec.precision != EXACT:
         reasons.append(f"computes with a single fp8 q and probability (precision {spec.precision}: a few % relRMS); "
                        f"the config asks precision={EXACT} ({EXACT_BAR} against float64)")
+    if ctx.sinks and not spec.sinks:
+        reasons.append("applies no attention sink: the model's learned per-head sinks would be dropped")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
         reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
                        f"({ENGINES[ctx.engine].eager_flag} allows it)")
@@ -235,6 +237,10 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
             f"device {ctx.device.label} is planned ({ctx.device.source}), not present here: kernel probes "
             "(installed packages, GPU, JIT compiler) were not run; run `mla-sm120 doctor` on that machine"
         )
+    if ctx.sinks:
+        notes.append(f"sinks: the model's learned per-head attention sinks are applied by {chosen[DECODE]} (decode) "
+                     f"and {chosen[PREFILL]} (prefill), in the softmax denominator (out x 1 / (1 + exp(sink - lse))); "
+                     f"{ENGINES[ctx.engine].sink_note}")
     for spec in reg.kernels.values():
         if spec.envelope_note is not None and ctx.kv_cache_dtype in spec.kv_cache_dtypes:
             try:

@@ -169,6 +169,8 @@ class ModelProfile:
     :param family: ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)
         or ``"dsv4"`` (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks;
         planned per layer kind by :mod:`mla_sm120_plugin.families.dsv4`).
+    :param sinks: the model's attention carries a learned sink logit per head (HY V4's
+        ``learnable_sink``): only a kernel that applies sinks (:attr:`KernelSpec.sinks`) serves it.
     :param model_configs: named model configs (``"deepseek-v4-pro"`` -> the config.json keys that
         differ from the architecture's defaults) that the CLI accepts as ``--model``: several models
         can share one architecture (V4-Flash and V4-Pro), and each is read by the same config reader
@@ -187,6 +189,7 @@ class ModelProfile:
     index_kpool: int = 1
     family: str = DSA_FAMILY
     model_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict, compare=False)
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         owner = f"ModelProfile({self.name!r})"
@@ -204,6 +207,9 @@ class ModelProfile:
             raise PluginError(
                 format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the profile")
             )
+        if not isinstance(self.sinks, bool):
+            raise PluginError(format_error(f"{owner}.sinks={self.sinks!r}", "True or False",
+                                           "say True for a model whose attention has learned per-head sinks"))
         _frozenset_of_str(self.architectures, "architectures", owner)  # type check only
         # Keep the given order (the first is the base model), dropping repeats.
         object.__setattr__(self, "architectures", tuple(dict.fromkeys(self.architectures)))
@@ -254,6 +260,8 @@ class KernelSpec:
     :param probe: reasons it cannot run on a device; run once per device and cached.
     :param envelope: extra per-phase shape checks.
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
+    :param sinks: applies a per-head sink logit in both phases (the entry's ``sink=``, or
+        ``sinks=`` on the DeepSeek-V4 surface); a model with sinks is served only by such kernels.
     :param description: one line for tables.
     :param envelope_note: where ``envelope``'s facts come from when they are not the installed
         package's (a table shipped with the plugin for a package missing here); the decision
@@ -291,6 +299,7 @@ class KernelSpec:
     envelope_note: Callable[[], "str | None"] | None = field(default=None, compare=False)
     precision: str = EXACT
     accuracy: AccuracyBound | None = None
+    sinks: bool = False
 
     @property
     def family(self) -> str:
@@ -333,6 +342,9 @@ class KernelSpec:
         if self.precision not in PRECISIONS:
             raise PluginError(format_error(f"{owner}.precision={self.precision!r}", f"one of {list(PRECISIONS)}",
                                            "say 'fast' for a kernel that rounds q or p to fp8, else 'exact'"))
+        if not isinstance(self.sinks, bool):
+            raise PluginError(format_error(f"{owner}.sinks={self.sinks!r}", "True or False",
+                                           "say True only if the entry applies a per-head sink logit"))
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise PluginError(format_error(f"{owner}.tolerance={tol!r}", "a float in (0, 1): a fraction of the "
@@ -429,6 +441,7 @@ class SelectionContext:
         kernels that keep bf16/fp32 operands).
     :param dsv4: for a DeepSeek-V4 model, the layer kind's call decided for (one context per layer
         kind; :mod:`mla_sm120_plugin.families.dsv4`); None for a DSA model.
+    :param sinks: the model's attention carries a learned sink logit per head (HY V4).
     """
 
     model_arch: str
@@ -452,6 +465,7 @@ class SelectionContext:
     qk_rope_head_dim: int = ROPE_DIM
     precision: str = FAST
     dsv4: Dsv4Call | None = None
+    sinks: bool = False
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel

@@ -5,6 +5,7 @@ Shared by the engine suites (vLLM and SGLang each build their own config objects
 
 from __future__ import annotations
 
+import json
 import os
 
 TINY = dict(
@@ -16,7 +17,8 @@ TINY = dict(
 
 
 def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = None, **changes) -> str:
-    """Save a tiny HF config (no weights) of ``kind`` ("glm", "dsv32", "glm53", "llama") and return its directory.
+    """Save a tiny HF config (no weights) of ``kind`` ("glm", "dsv32", "glm53", "hyv4", "llama") and return its
+    directory.
 
     "glm53" is the rope-less GLM-5.3-Flash (transformers' Glm5NextTextConfig, vLLM's text-only
     architecture; index_kpool 4 as released, plus the two keys vLLM reads that the class does not
@@ -48,6 +50,18 @@ def write_model(root, kind: str, *, index_topk: int = 2048, heads: int | None = 
         else:  # the released multimodal checkpoint's: the only one SGLang 0.5.23 knows
             cfg = Glm5NextConfig(text_config=text)
             cfg.architectures = ["Glm5NextForConditionalGeneration"]
+    elif kind == "hyv4":
+        # HY V4 (Hy4-preview) as its release writes config.json; transformers' own HYV4Config has no
+        # learnable_sink key (its model always has sinks), the engines' configs read it.
+        path = os.path.join(str(root), f"{kind}_topk{index_topk}_h{heads}")
+        os.makedirs(path, exist_ok=True)
+        cfg = dict(architectures=["HYV4ForCausalLM"], model_type="hy_v4", num_attention_heads=heads or 32,
+                   num_key_value_heads=heads or 32, qk_nope_head_dim=192, v_head_dim=256, index_topk=index_topk,
+                   learnable_sink=True, gated_mla=True, gating_type="elementwise", num_nextn_predict_layers=1,
+                   dtype="bfloat16", **{**TINY, "num_hidden_layers": 2}, **changes)
+        with open(os.path.join(path, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
+        return path
     else:
         cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)

@@ -85,10 +85,10 @@ def construction_context(vllm_config: VllmConfig, load_device: str = "meta") -> 
 
 
 def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float = GLM_SCALE,
-              load_device: str = "meta", cap: tuple[int, int] = (12, 0), model: str = "glm"):
+              load_device: str = "meta", cap: tuple[int, int] = (12, 0), model: str = "glm", **impl_args):
     """The plugin's impl as vLLM's MLA attention layer constructs it (``model``'s geometry, see
     :data:`GEOMETRY`): the selector validates first, then the impl is built inside
-    :func:`construction_context`.
+    :func:`construction_context` (``impl_args``: what a model adds, e.g. HY V4's ``sinks``).
 
     ``load_device="meta"`` is where a GPU start-up would build it (on ``cuda``); a test that runs the
     impl's forward on the CPU builds it on ``"cpu"`` so its buffers are usable there.
@@ -109,7 +109,7 @@ def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype:
             num_heads=heads, scale=scale, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
             q_lora_rank=256, kv_lora_rank=512, kv_b_proj=None, indexer=None, topk_indices_buffer=topk_buffer,
-            **geometry,
+            **geometry, **impl_args,
         )
 
 

@@ -110,6 +110,7 @@ FLASHINFER_SPEC = KernelSpec(
     envelope=_flashinfer_envelope,
     envelope_note=_flashinfer_table_note,
     graph_safe=True,
+    sinks=True,
     description="FlashInfer's native SM120/SM121 sparse MLA (fp8 Q/P internally)",
     precision=FAST,
     # Q and P are quantized to a single fp8 e4m3 each inside (3 mantissa bits).
@@ -130,6 +131,7 @@ TRITON_FAST_SPEC = KernelSpec(
     entry="mla_sm120_plugin.kernels.dsa.triton_fast:triton_sparse_mla_fast",
     probe=_triton_probe,
     graph_safe=True,
+    sinks=True,
     description="Triton fp8-MMA kernel (block-scaled QMMA on SM12x, emulated on sm_90): e4m3 hi+lo q/p, fp32 partials",
     # q and the probabilities as e4m3 hi + lo pairs: exact class (triton_fast.ACCURACY, the same bound;
     # that module imports torch).
@@ -149,6 +151,7 @@ TRITON_SPEC = KernelSpec(
     entry="mla_sm120_plugin.kernels.dsa.triton:triton_sparse_mla",
     probe=_triton_probe,
     graph_safe=True,
+    sinks=True,
     description="portable Triton kernel, split-K decode, in-kernel fp8 dequant",
     # bf16 dot operands on a GPU (probabilities rounded to 8 bits): 0.4-0.7 % max error measured on an
     # H200 against the fp32 reference; against float64, under the interpreter (which now rounds dot
@@ -169,6 +172,7 @@ TORCH_SPEC = KernelSpec(
     probe=_torch_probe,
     # Chunked loops and boolean masks: not capturable, and far too slow to serve from a graph.
     graph_safe=False,
+    sinks=True,
     description="torch reference: ground truth, any device, memory-bounded",
     # The ground truth itself, in fp32: what its self-check sees is the rounding of a bf16 output
     # (<= 2**-8 of the magnitude, relRMS ~0.16 %) and fp32 summation order; it proves that it runs
@@ -204,6 +208,7 @@ FLASHINFER_DSV4_SPEC = KernelSpec(
     envelope=_flashinfer_dsv4_envelope,
     envelope_note=_flashinfer_table_note,
     graph_safe=True,
+    sinks=True,
     description="FlashInfer's SM120/SM121 DeepSeek-V4 kernels (window + compressed cache, sinks; JIT-built)",
     # Its prefill form multiplies a bf16 q with fp8 probabilities (QkBF16PvFP8); its decode numerics
     # are not measured here (no SM12x GPU): it is not claimed exact. The DSA kernels' fp8 q/p bound.
@@ -224,6 +229,7 @@ TRITON_DSV4_SPEC = KernelSpec(
     entry="mla_sm120_plugin.dispatch.dsv4:triton_dsv4",  # FlashInfer's SM120 call surface
     probe=_triton_probe,
     graph_safe=True,
+    sinks=True,
     description="portable Triton DeepSeek-V4 kernel: window + compressed cache in one pass, sinks, in-kernel "
                 "fp8 / NVFP4 dequant (one program a token and 16 heads; no split-K)",
     # Exact keys and values in bf16, bf16 q and probabilities, fp32 accumulation: against float64

@@ -55,6 +55,7 @@ class CheckKey:
     :param topk: a DSA case's index top-k.
     :param window_page: a DeepSeek-V4 case's window-cache page (as the engine's call passes it).
     :param extra_page: its compressed-cache page (0: a window-only layer kind).
+    :param sinks: a DSA case carries a learned sink logit per head (a model with sinks, HY V4).
     """
 
     kernel: str
@@ -68,6 +69,7 @@ class CheckKey:
     topk: int = 0
     window_page: int = 0
     extra_page: int = 0
+    sinks: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ The case (:func:`build`) is the engines' call in miniature: the layout's rows wr
 with the key's scale format, 64-row pages, the real heads, top-k and q dtype, and adversarial
 candidates in token 0 (-1, the first slot past the cache, one far past it, a duplicate) and a short
 ``topk_length`` in token 1. Four latent tiles of different magnitude, so a wrong per-tile scale
-shows. The truth (:func:`truth`) is the torch reference on a float64 q, over the rows as the cache
-dequantizes them. The runner is :mod:`.selfcheck`.
+shows. For a model with learned sinks the case carries one a head: finite near the rows' LSE (an
+output about halved), -inf (none) and +30 (outweighs every score), so a sink dropped or applied
+twice shows. The truth (:func:`truth`) is the torch reference on a float64 q, over the rows as the
+cache dequantizes them. The runner is :mod:`.selfcheck`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -66,22 +69,30 @@ def build(key: Any, device: torch.device) -> dict[str, Any]:
         topk_length[1] = max(1, key.topk // 3)
     q = torch.randn(tokens, key.num_heads, lay.head_dim, generator=gen, dtype=torch.float32, device=cpu)  # [T, H, D]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[key.q_dtype]
-    return dict(q=q.to(dtype=dtype, device=device), kv_cache=pack.page_view(rows).to(device),  # [P, 64, C]
+    case = dict(q=q.to(dtype=dtype, device=device), kv_cache=pack.page_view(rows).to(device),  # [P, 64, C]
                 indices=indices.to(device), topk_length=topk_length.to(device),
-                sm_scale=lay.head_dim**-0.5, kv_layout=key.kv_layout)
+                sm_scale=lay.head_dim**-0.5, kv_layout=key.kv_layout, sink=None)
+    if key.sinks:
+        # about the LSE of top-k unit-scale scores (log top-k): the sink takes about half the weight
+        sink = torch.randn(key.num_heads, generator=gen, dtype=torch.float32, device=cpu) + math.log(key.topk)  # [H]
+        sink[1::4] = float("-inf")
+        sink[2::4] = 30.0
+        case["sink"] = sink.to(device)
+    return case
 
 
 def run(kernel: Any, key: Any, inputs: dict[str, Any]) -> Any:
     """The kernel on the case, as an engine binding calls it (its scale format told where it takes one)."""
     return kernel.call(inputs["q"], inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
-                       kv_layout=key.kv_layout, topk_length=inputs["topk_length"], scale_format=key.scale_format)
+                       kv_layout=key.kv_layout, topk_length=inputs["topk_length"], scale_format=key.scale_format,
+                       **({} if inputs["sink"] is None else {"sink": inputs["sink"]}))
 
 
 def truth(key: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """Float64 attention over the case's dequantized rows (the reference computes in float64 for a
     float64 q), so only the kernel's own arithmetic counts."""
     return torch_sparse_mla(inputs["q"].double(), inputs["kv_cache"], inputs["indices"], sm_scale=inputs["sm_scale"],
-                            kv_layout=key.kv_layout, topk_length=inputs["topk_length"])
+                            kv_layout=key.kv_layout, topk_length=inputs["topk_length"], sink=inputs["sink"])
 
 
 def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: str) -> list[dict[str, Any]]:
@@ -97,7 +108,8 @@ def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: s
     if ctx.kv_cache_dtype in layout.FP8_LAYOUTS and decision.scale_format == layout.SCALE_ARBITRARY:
         written.append(layout.SCALE_POW2)
     return [dict(kernel=kernel, phase=phase, kv_layout=ctx.kv_cache_dtype, num_heads=ctx.num_heads, device=device,
-                 q_dtype=q_dtype, scale_format=decision.scale_format, written_format=fmt, topk=ctx.index_topk)
+                 q_dtype=q_dtype, scale_format=decision.scale_format, written_format=fmt, topk=ctx.index_topk,
+                 sinks=ctx.sinks)
             for fmt in written]
 
 

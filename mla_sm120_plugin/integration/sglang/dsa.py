@@ -51,6 +51,8 @@ WORKSPACE_BUFFER = "dsa_flashinfer_sparse_mla_workspace"
 BUFFERS = "sglang.srt.runtime_context.get_buffer"
 
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
+# The call's [heads] fp32 sink logits (a model with learned sinks), from forward_decode / forward_extend.
+_sink: contextvars.ContextVar[Any] = contextvars.ContextVar("mla_sm120_sink", default=None)
 _bound: dict[str, Any] = {}  # "state": this process's BoundState
 
 
@@ -84,6 +86,7 @@ class BoundState:
     kernels: dict[str, Any]
     kv_layout: str
     scale_format: str
+    sinks: bool = False
 
     def pages(self, kv_cache: Any) -> Any:
         """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
@@ -123,7 +126,7 @@ def bound_state() -> BoundState:
     kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
     logger.info("%s", decision_line(decision))
     logger.info("%s", line)
-    _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format)
+    _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format, ctx.sinks)
     return _bound["state"]
 
 
@@ -168,9 +171,16 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
     # SGLang's metadata rows should match q's; where they do not (DP/CP padding), SGLang runs its
     # kernels without lengths (full width: -1 padding is masked anyway), and so do we.
     lengths = seq_lens if seq_lens is not None and seq_lens.shape[0] == q.shape[0] else None
+    sink = _sink.get()
+    if (sink is not None) != state.sinks:
+        raise KernelInputError(format_error(
+            f"a call {'with' if sink is not None else 'without'} attention sinks for a model planned "
+            f"{'with' if state.sinks else 'without'} them",
+            "the sinks the launcher's plan read from the model's config (learnable_sink)",
+            "restart SGLang so that its launcher plans this model again"))
     return state.kernels[phase].call(q, state.pages(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
                                      kv_layout=state.kv_layout, topk_length=lengths,
-                                     scale_format=state.scale_format)
+                                     scale_format=state.scale_format, **({} if sink is None else {"sink": sink}))
 
 
 def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_indices: Any, dsa_impl: str,
@@ -182,11 +192,17 @@ def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_
 
 
 def _in_phase(phase: str, original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    token = _phase.set(phase)
+    if not enabled():
+        return original_fn(*args, **kwargs)
+    # A model with learned sinks (HY V4) hands its [heads] fp32 sink parameter here; SGLang's
+    # backend would refuse it for any kernel but flashmla_sparse (SM90a / SM100f), so the plugin
+    # carries it to its own kernel call instead (around_call).
+    token, sink_token = _phase.set(phase), _sink.set(kwargs.pop("attn_sink", None))
     try:
         return original_fn(*args, **kwargs)
     finally:
         _phase.reset(token)
+        _sink.reset(sink_token)
 
 
 def around_forward_decode(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -162,6 +162,13 @@ class MlaSm120Backend(AttentionBackend):
         return capability.major in SERVED_SM_FAMILIES
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """Every kernel the plan binds applies a learned sink per head (a model with sinks is served
+        by no other: selection's envelope), so HY V4's resolver keeps this backend and hands the
+        impl its sink weights (``sinks=``) instead of disabling them."""
+        return True
+
+    @classmethod
     def validate_configuration(cls, **kwargs: Any) -> list[str]:
         """vLLM's selector hook: run our constraint matrix first, then vLLM's generic checks.
 
@@ -187,8 +194,11 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
     supports_pcp = False
     supports_dcp = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sinks: torch.Tensor | None = None, **kwargs: Any) -> None:
+        # vLLM's sparse-MLA base takes no sinks; HY V4 passes its [heads] fp32 sink parameter here
+        # and loads the weights into it later, so the parameter itself is kept, never a copy.
         super().__init__(*args, **kwargs)
+        self._mla_sm120_sinks = _checked_sinks(sinks, self.num_heads)
         vllm_config = current_vllm_config()
         if vllm_config is None:
             raise UnsupportedConfiguration(
@@ -223,8 +233,9 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
+        sink = {} if self._mla_sm120_sinks is None else {"sink": self._mla_sm120_sinks}
         kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
-                    scale_format=self.decision.scale_format)
+                    scale_format=self.decision.scale_format, **sink)
 
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
         """Sparse MQA over the DSA cache for every row of the batch.
@@ -270,6 +281,20 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd])
             self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:])
         return out, None
+
+
+def _checked_sinks(sinks: Any, num_heads: int) -> torch.Tensor | None:
+    """HY V4's sink parameter as the impl receives it: [num_heads] float32 (a head's logit, natural log)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,):
+        given = (f"a tensor of shape {tuple(sinks.shape)}, dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor)
+                 else type(sinks).__name__)
+        raise UnsupportedConfiguration(format_error(
+            f"sinks={given} for an attention layer of {num_heads} heads a rank",
+            f"a [{num_heads}] float32 tensor: one learned sink logit a head",
+            "build the layer with the model's own sink parameter (vLLM's make_attention_sink)"))
+    return sinks
 
 
 def _device_capability() -> tuple[int, int]:
