@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import types
 from typing import Iterator
 
@@ -82,6 +83,26 @@ def construction_context(vllm_config: VllmConfig, load_device: str = "meta") -> 
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
         with torch.device(load_device):
             yield
+
+
+@contextlib.contextmanager
+def one_rank(vllm_config: VllmConfig) -> Iterator[None]:
+    """vLLM's distributed state for one rank over gloo (a layer's linear layers need a TP group),
+    set up under ``vllm_config`` and torn down after."""
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(vllm_config):
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1, backend="gloo")
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
 
 
 def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float = GLM_SCALE,

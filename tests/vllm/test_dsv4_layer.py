@@ -21,7 +21,6 @@ needs a CUDA driver here, so its forward is not run (its kernel routing is the w
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ from mla_sm120_plugin.kernels.dsv4 import layout, pack
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm_engine import construction_context, make_vllm_config  # noqa: E402
+from vllm_engine import construction_context, make_vllm_config, one_rank as vllm_one_rank  # noqa: E402
 
 MAX_LEN = 4096  # make_vllm_config's max_model_len
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -93,18 +92,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(model_dir):
     """vLLM's distributed state for one rank (the layers' linear layers need a TP group); torn down after."""
-    from vllm.distributed import parallel_state as ps
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(_vllm_config(model_dir)):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1, backend="gloo")
-    yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    with vllm_one_rank(_vllm_config(model_dir)):
+        yield
 
 
 @pytest.fixture

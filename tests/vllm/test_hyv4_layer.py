@@ -12,19 +12,17 @@ vLLM's weight loader fills them, against float64 attention with the sink in the 
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 from model_configs import write_model
 from vllm_engine import (build_metadata, common_metadata, construction_context, logical_topk, make_impl,
-                         make_vllm_config)
+                         make_vllm_config, one_rank as vllm_one_rank)
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsa.pack import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 
-from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 
@@ -117,19 +115,9 @@ def hy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(hy_dir):
-    """vLLM's distributed state for one rank (the layer's linear layers need a TP group)."""
-    from vllm.distributed import parallel_state as ps
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(make_vllm_config(hy_dir)):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1, backend="gloo")
-    yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    """vLLM's distributed state for one rank (the layers' linear layers need a TP group); torn down after."""
+    with vllm_one_rank(make_vllm_config(hy_dir)):
+        yield
 
 
 def _sm120_pick(cls, selected_backend, attn_selector_config, num_heads=None):
