@@ -311,8 +311,7 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     # Read for their types only: the output gate is the model's, outside the attention call, and a
     # draft layer is planned as the model's own layers.
     _flag(cfg, "gated_mla", where, False)
-    if _get(cfg, "num_nextn_predict_layers") is not _ABSENT:
-        _count(cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", 0)
+    _count(cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", 0)
     dsv4 = None
     if profile is not None and profile.family == DSV4_FAMILY:
         # SGLang renames V4.1's architecture to V4's and keeps model_type deepseek_v41.

@@ -133,15 +133,16 @@ def _time(fn: Callable[[], Any], minimum_bytes: int, copy_gbps: float) -> dict[s
 
 
 def shape_row(record_name: str, kind: str, tokens: int, heads: int, device: str, family: str,
-              copy_gbps: float | None, footprint: int = FOOTPRINT_BYTES) -> dict[str, Any]:
-    """One shape: each of :func:`callables` checked against float64 and (with ``copy_gbps``) timed."""
+              copy_gbps: float | None, footprint: int = FOOTPRINT_BYTES,
+              workspace: torch.Tensor | None = None) -> dict[str, Any]:
+    """One shape: each of :func:`callables` checked against float64 and (with ``copy_gbps``) timed;
+    ``workspace``: the uint8 bytes vLLM would pass the call (None: the kernels allocate)."""
     record = layout.RECORDS[record_name]
     compressed, _ = KINDS[kind]
     inputs = build(record_name, kind, tokens, heads, device, footprint)
     n_ref = min(tokens, REFERENCE_TOKENS)
     want = reference(inputs, n_ref)
     out = torch.empty_like(inputs["query"])
-    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if device != "cpu" else None
     cfg = plan.launch_config(record, tokens, heads, WINDOW, compressed, family)
     shape = plan.shape_of(record)
     ctas = shape.ctas_per_sm[family]
@@ -190,13 +191,15 @@ def run(device: str = "cuda", *, shapes: list[tuple[str, str, int, int]] | None 
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50) * 1e-3) / 1e9
     del src, dst
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # vLLM's, made once a device
     report: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=family_of(major, minor),
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         footprint_bytes=FOOTPRINT_BYTES, copy_gbps=copy_gbps,
         measures={k: v for k, v in (line.split(": ", 1) for line in _MEASURES)}, results=[])
     for shape in shapes or SHAPES:
-        report["results"].append(shape_row(*shape, device=device, family=report["family"], copy_gbps=copy_gbps))
+        report["results"].append(shape_row(*shape, device=device, family=report["family"], copy_gbps=copy_gbps,
+                                           workspace=workspace))
         torch.cuda.empty_cache()
         if progress is not None:
             progress(report)

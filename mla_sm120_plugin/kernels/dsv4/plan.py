@@ -2,11 +2,11 @@
 
 A program takes one query token, ``block_h`` heads and one *split*: a range of the call's candidates
 read as one list, the window's index row (``W`` ids) followed by the compressed cache's (``E``), cut
-at ``blocks_per_split`` whole steps of ``block_n``. The split count comes from the rule the DSA
-plans use (:func:`~mla_sm120_plugin.kernels.shared.launch_plan.split_rule`), evaluated at the call's
-shapes: tokens, heads, the two index widths (never their live lengths) and the GPU family, so a
-captured graph replays the same grid. :func:`traffic` counts the bytes with nothing reused across
-programs; :func:`json_report` is what ``mla-sm120 bench --traffic`` prints.
+into ``num_splits`` ranges of whole ``block_n`` steps differing by at most one step. The split count
+comes from the rule the DSA plans use (:func:`~mla_sm120_plugin.kernels.shared.launch_plan.split_rule`),
+evaluated at the call's shapes: tokens, heads, the two index widths (never their live lengths) and
+the GPU family, so a captured graph replays the same grid. :func:`traffic` counts what DRAM and L2
+move; :func:`json_report` is what ``mla-sm120 bench --traffic`` prints.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class Dsv4Config:
 
     def split(self, num_splits: int, blocks_per_split: int) -> "Dsv4Config":
         return replace(self, num_splits=num_splits, blocks_per_split=blocks_per_split if num_splits > 1 else 0)
+
+    def steps(self, candidates: int) -> int:
+        """``block_n`` steps a call of ``candidates`` a token walks (at least one)."""
+        return cdiv(max(candidates, 1), self.block_n)
 
     def chunk(self, candidates: int) -> int:
         """Candidates a range holds for a call of ``candidates`` a token (all of them unsplit)."""
@@ -114,7 +118,7 @@ def choose(record_name: str, num_tokens: int, num_heads: int, window: int, compr
     of shapes, cached (no autotuning at serve time)."""
     shape, family = SHAPES[record_name], FAMILIES[family_name]
     record = layout.RECORDS[record_name]
-    blocks = cdiv(max(window + compressed, 1), shape.config.block_n)
+    blocks = shape.config.steps(window + compressed)
     splits, per_split, why = split_rule(
         family, programs=max(num_tokens, 1) * cdiv(num_heads, shape.config.block_h),
         ctas_per_sm=shape.ctas_per_sm[family_name], blocks=blocks, max_splits=MAX_SPLITS,
@@ -155,8 +159,9 @@ def forced(record: layout.Dsv4Record, num_splits: int, window: int, compressed: 
     """The record's block shape cut into ``num_splits`` ranges of whole steps (as many as there are
     steps, where fewer): what a forced plan runs."""
     base = shape_of(record).config
-    splits = min(num_splits, cdiv(max(window + compressed, 1), base.block_n))
-    return base.split(splits, cdiv(cdiv(max(window + compressed, 1), base.block_n), splits))
+    steps = base.steps(window + compressed)
+    splits = min(num_splits, steps)
+    return base.split(splits, cdiv(steps, splits))
 
 
 def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int, window: int, compressed: int,
@@ -164,8 +169,7 @@ def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int
     """What a launch costs in the model the rule chooses by: its DRAM time (bytes / the family's
     bandwidth) and its step chain (waves x the longest range's steps x two round trips, plus the
     combine's), the larger of the two (:func:`~..shared.launch_plan.launch_time_us`)."""
-    blocks = cdiv(max(window + compressed, 1), cfg.block_n)
-    per_split = cfg.blocks_per_split or blocks
+    per_split = cfg.blocks_per_split or cfg.steps(window + compressed)
     programs = max(num_tokens, 1) * cdiv(num_heads, cfg.block_h)
     total = traffic(cfg, num_tokens, num_heads, window, compressed, record, family.name).total
     return dict(programs=programs * cfg.num_splits, waves=cdiv(programs * cfg.num_splits, family.num_sms * ctas_per_sm),

@@ -10,8 +10,9 @@ size), a position at or past the row's length. Each cache has its own page size 
 Structure: one program takes one query token, ``BLOCK_H`` heads and one split: a range of the
 window's index row followed by the compressed cache's, ``BLOCK_N`` candidates a step
 (:func:`_attend`), with an online softmax in base 2. The split count is :mod:`.plan`'s (shapes
-only); several splits write fp32 partials that :mod:`..shared.combine` merges, applying the sink once. A candidate's row is dequantized exactly (each NoPE value times its group's
-scale, the bf16 rope as is), so the key/value tile is exact in bf16; scores and the weighted sum
+only); several splits write fp32 partials that :mod:`..shared.combine` merges, applying the sink
+once. A candidate's row is dequantized exactly (each NoPE value times its group's scale, the bf16
+rope as is), so the key/value tile is exact in bf16; scores and the weighted sum
 are bf16 x bf16 dots accumulated in fp32 (:func:`~mla_sm120_plugin.kernels.shared.triton.dot`).
 
 Design notes: docs/kernels.md, section ``kernels/dsv4/triton.py``.
@@ -256,7 +257,7 @@ def launch_plan(q, out, swa_cache, swa_indices, swa_page_size, *, sm_scale, swa_
               extra_indices.stride(0) if extra else 0, extra_indices.shape[1] if extra else 0,
               extra_page_size if extra else 1, extra_cache.stride(0) if extra else 0,
               extra_cache.shape[0] * extra_page_size if extra else 0,
-              sm_scale * LOG2E, head_blocks, cdiv(max(candidates, 1), cfg.block_n), cfg.num_splits),
+              sm_scale * LOG2E, head_blocks, cfg.steps(candidates), cfg.num_splits),
         constexprs=dict(FINAL=final, NVFP4=record.nope_bits == 4, HAS_EXTRA=extra,
                         HAS_SINK=final and sinks is not None, HAS_SWA_LEN=swa_lengths is not None,
                         HAS_EXTRA_LEN=extra and extra_lengths is not None, BLOCK_H=cfg.block_h,

@@ -1,10 +1,11 @@
 """The one combine of split partials, for every Triton kernel of both families, and the store it ends in.
 
 A split program stores its range's normalized output (fp32 or bf16 ``[T, S, H, 512]``) and base-2
-LSE (``[T, S, H]``); :func:`combine_kernel` merges a (token, head block)'s splits with weights
-``exp2(lse_s - max)`` and ends, as an unsplit program does, in :func:`finalize`: the sink applied
-once (``out *= 1 / (1 + exp(sink - lse))``), the output rounded to its dtype, the LSE stored. Both
-families' outputs are 512 wide, held as four 128-wide tiles (four accumulators).
+LSE (``[T, S, H]``); :func:`combine_kernel` merges a (token, head, 128 columns)'s splits with
+weights ``exp2(lse_s - running max)`` and, as an unsplit program does in :func:`finalize`, applies
+the sink once (``out *= 1 / (1 + exp(sink - lse))``, :func:`sink_factor`), rounds the output to
+its dtype and stores the LSE. Both families' outputs are 512 wide, held by an unsplit program as
+four 128-wide tiles (four accumulators).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ UNSPECIALIZED_COMBINE = ("sink_stride", "has_sink", "write_lse", "num_heads", "n
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
-# One program a (token, head, 128-column tile), merging 16 splits a step: at one token a call's
-# partials are read by 64 programs for 16 heads, in cdiv(splits, 16) steps each, where one
-# program a (token, 16 heads) walked every split one round trip at a time (launch_plan.py
-# models the combine's steps with COMBINE_SPLIT_BLOCK, defined there).
+# One program a (token, head, 128-column tile), merging COMBINE_SPLIT_BLOCK (32) splits a step: at
+# one token a call's partials are read by 64 programs for 16 heads, in cdiv(splits, 32) steps
+# each, where one program a (token, 16 heads) walked every split one round trip at a time
+# (launch_plan.py models the combine's steps with the same constant).
 COMBINE_WARPS = 4
 COMBINE_STAGES = 2
 
@@ -70,8 +71,6 @@ def finalize(
     store_rounded(ptrs + 3 * TILE, acc3, mask)
     if write_lse:
         tl.store(lse_ptr + lse_row + heads * lse_stride_h, lse2 * lse_scale, mask=h_mask)
-
-
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_COMBINE)

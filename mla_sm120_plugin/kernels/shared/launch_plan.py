@@ -4,7 +4,7 @@ A call is cut into programs of (query token, head block, split of the candidates
 count is chosen, from shapes alone (never live lengths or any tensor's values, so a CUDA graph
 captured at a shape replays the same grid). :func:`split_rule` is the one rule: fill one wave of
 resident CTAs on the family's reference part, pay for splits only in bytes that cost no time,
-whole steps per split. Each family models its own bytes (:class:`Traffic`): the DSA plans in
+whole steps per split, and of those the fastest in the model (:func:`launch_time_us`). Each family models its own bytes (:class:`Traffic`): the DSA plans in
 ``kernels/dsa/triton_plan.py``, DeepSeek-V4's in ``kernels/dsv4/plan.py``.
 
 Why and how the budget is set: docs/kernels.md, section ``kernels/shared/launch_plan.py``.
@@ -80,10 +80,11 @@ def bucket(value: int, edges: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes one call's launches move, by kind, with nothing reused across programs.
+    """Bytes one call's launches move from DRAM, by kind, as the family's model counts them (the DSA
+    plans: nothing reused across programs; DeepSeek-V4's: :attr:`l2` takes the reuse).
 
-    cache: cache rows, once per (token, head block)
-    q: q, once per program (every split reloads its heads)
+    cache: cache rows (DSA: once per (token, head block))
+    q: q (DSA: once per program: every split reloads its heads)
     indices: index rows (plus, where a kernel prefetches, the step each split loads past its end)
     partials: split partials and their LSE, written and read back (0 for one split)
     output: out (and nothing for lse, which is 4 bytes a head)
