@@ -1,9 +1,10 @@
-"""The test command: ``nox`` runs every engine's suite, each in its own environment.
+"""The test command: ``nox`` runs every engine release's suite, each in its own environment.
 
-vLLM 0.33 and SGLang 0.5.23 pin different torch and FlashInfer builds, so each engine gets a session
-with its own environment, built once (by uv, from the project's own extras) and reused by later runs:
+vLLM 0.33, vLLM 0.34 and SGLang 0.5.23 pin different FlashInfer (and SGLang different torch) builds,
+so each gets a session with its own environment, built once (by uv, from the project's own extras)
+and reused by later runs:
 
-    nox                  # both suites: vllm, then sglang
+    nox                  # every suite: vllm (0.33, and every engine-free suite), vllm034, sglang
     nox -s vllm          # one suite alone; arguments after -- go to pytest:
     nox -s sglang -- tests/sglang_engine/test_forward.py -x
 
@@ -22,17 +23,19 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["vllm", "sglang"]
+nox.options.sessions = ["vllm", "vllm034", "sglang"]
 
 # --dist loadfile: a file's tests run on one worker, so a file's memoized fixtures (the compile
 # gate's three compiles) are made once. (--dist loadgroup does not group under pytest 9.2, whose
 # nodes no longer read the _nodeid that pytest-xdist 3.8 rewrites.)
 PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadfile", "--durations=15"]
-# Every suite that needs no engine runs in both environments: each engine brings its own torch,
-# Triton and transformers, and the core must behave the same beside either.
+# The engine-free suites (unit, kernels, tools) run once, in the vllm session; the other sessions run
+# their engine's suites only (vllm034 also the FlashInfer contract, its FlashInfer being 0.7.4).
 SESSIONS = {
     "vllm": dict(extras="vllm,triton,flashinfer,test,plot", paths=[]),
-    "sglang": dict(extras="sglang,test", paths=["tests/sglang_engine", "tests/unit"]),
+    "vllm034": dict(extras="vllm034,triton,flashinfer,test", paths=["tests/vllm", "tests/dispatch"],
+                    overrides=".ci/vllm034-overrides.txt"),
+    "sglang": dict(extras="sglang,test", paths=["tests/sglang_engine"]),
 }
 
 
@@ -40,9 +43,9 @@ def _free_gib() -> str:
     return f"{shutil.disk_usage('.').free / 2**30:.1f} GiB free"
 
 
-def _run_suite(session: nox.Session, extras: str, paths: list[str]) -> None:
+def _run_suite(session: nox.Session, extras: str, paths: list[str], overrides: str | None = None) -> None:
     start = time.monotonic()
-    session.install("-e", f".[{extras}]")
+    session.install("-e", f".[{extras}]", *(["--override", overrides] if overrides else []))
     session.log(f"{session.name}: environment ready in {time.monotonic() - start:.0f} s, {_free_gib()}")
     tests = time.monotonic()
     try:
@@ -58,6 +61,16 @@ def _run_suite(session: nox.Session, extras: str, paths: list[str]) -> None:
 def vllm(session: nox.Session) -> None:
     """vLLM 0.33 with FlashInfer and Triton: every suite (the SGLang one skips here)."""
     _run_suite(session, **SESSIONS["vllm"])
+
+
+@nox.session
+def vllm034(session: nox.Session) -> None:
+    """vLLM 0.34.0: the vLLM engine and FlashInfer suites (the engine-free ones ran under vllm).
+
+    vLLM 0.34.0 pins flashinfer-python==0.7.3, which CI's package index lacks: uv's --override
+    (.ci/vllm034-overrides.txt) installs FlashInfer 0.7.4 in its place.
+    """
+    _run_suite(session, **SESSIONS["vllm034"])
 
 
 @nox.session

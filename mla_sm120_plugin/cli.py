@@ -7,6 +7,7 @@ fix it), 1 an unexpected failure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -99,18 +100,47 @@ def _check(args: argparse.Namespace) -> int:
                                ("precision", args.precision)) if v}
     cfg = plugin_config(flags or None, kernel_names=reg.kernels, config_file=args.config,
                         inline_label="command-line flags")
+    release, why = _engine_release(args.engine, args.engine_version)
     limits = EngineLimits(
         tensor_parallel_size=args.tp,
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
         engine=args.engine,
+        release=release,
     )
     planned = plan(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm),
                    check_kv_cache_dtype(facts, args.engine, args.kv_cache_dtype), limits,
                    speculative_tokens=args.num_speculative_tokens, dspark=args.dspark, registry=reg)
+    planned = dataclasses.replace(planned, notes=(*planned.notes, f"planned for {limits.facts.versioned} ({why})"))
     _emit(_json(to_dict(planned)) if args.json else explain(planned))
     return EXIT_OK
+
+
+def _engine_release(name: str, given: str | None) -> tuple[str, str]:
+    """The engine release ``check`` plans for and why: ``--engine-version``, else the installed
+    release, else the newest the plugin supports.
+
+    :raises UnsupportedConfiguration: the given or installed release is not supported (the words the
+        engine's ``register()`` logs, with the flag that plans for another release).
+    """
+    from .engines import RELEASES, installed_release, release_refusal
+    from .errors import UnsupportedConfiguration
+
+    releases = tuple(RELEASES[name])
+    chosen = given if given is not None else installed_release(name)
+    if chosen is None:
+        chosen, why = releases[-1], "none installed here: the newest the plugin supports"
+    else:
+        refusal = release_refusal(name, chosen)
+        if refusal is not None:
+            flag = f"pass --engine-version {' or '.join(releases)}"
+            raise UnsupportedConfiguration(refusal.replace("\nfix: ", f"\nfix: {flag}; or ", 1))
+        why = "--engine-version" if given is not None else "the release installed here"
+    others = [release for release in releases if release != chosen]
+    if others:
+        why += f"; --engine-version {' or '.join(others)} plans for the other"
+    return chosen, why
 
 
 def _version(dist: str) -> str | None:
@@ -383,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--engine", choices=tuple(ENGINES), default="vllm",
                        help="the engine you will serve with: its --kv-cache-dtype spellings and how its cache "
                             "writer stores fp8 scales (SGLang: amax/448 for every model) (default vllm)")
+    check.add_argument("--engine-version",
+                       help="the engine release you will serve with (vLLM 0.33.0 or 0.34.0; default: the one "
+                            "installed here, else the newest supported)")
     check.add_argument("--kv-cache-dtype",
                        help="what you pass the engine: vLLM fp8_ds_mla (default) or auto/bfloat16; SGLang fp8_e4m3 "
                             "(default), bfloat16, or auto (SGLang's fp8 on SM >= 10)")

@@ -23,11 +23,12 @@ from .types import AUTO, DeviceInfo, Dsv4Call, SelectionContext
 
 
 def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None,
-              rope: int = ROPE_DIM, sinks: bool = False) -> str:
+              rope: int = ROPE_DIM, sinks: bool = False, release: str | None = None) -> str:
     """The cache layout an engine's ``--kv-cache-dtype`` value gives a DSA model with a ``rope``-wide
-    rope part (None or ``auto``: the engine's default on a GPU of ``sm_family``, for a model with
-    learned sinks where they differ)."""
-    return engines_mod.ENGINES[engine].kv_layout(engine_kv_cache_dtype, sm_family, rope, sinks)
+    rope part under the engine's ``release`` (None: its oldest supported; None or ``auto`` as the
+    value: the engine's default on a GPU of ``sm_family``, for a model with learned sinks where they
+    differ)."""
+    return engines_mod.lookup(engine, release).kv_layout(engine_kv_cache_dtype, sm_family, rope, sinks)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class EngineLimits:
     :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
         fact rather than the model's; None: the engine's own (:attr:`Engine.scale_format`; None
         there too: the model's). An explicit ``kv_scale_format`` in the plugin config wins.
+    :param release: the engine's release (a key of :data:`mla_sm120_plugin.engines.RELEASES`); None:
+        its oldest supported one.
+    :raises UnsupportedConfiguration: a release the plugin does not support.
     """
 
     tensor_parallel_size: int = 1
@@ -54,6 +58,7 @@ class EngineLimits:
     features: frozenset[str] = field(default_factory=frozenset)
     engine: str = "vllm"
     scale_format: str | None = None
+    release: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_decode_tokens", "max_prefill_tokens"):
@@ -67,8 +72,14 @@ class EngineLimits:
         if self.engine not in engines_mod.ENGINES:
             raise ConfigError(format_error(f"engine={self.engine!r}", f"one of {list(engines_mod.ENGINES)}",
                                            "pass the engine the context is built for"))
+        object.__setattr__(self, "release", engines_mod.lookup(self.engine, self.release).release)
         if self.scale_format is None:
             object.__setattr__(self, "scale_format", engines_mod.ENGINES[self.engine].scale_format)
+
+    @property
+    def facts(self) -> engines_mod.Engine:
+        """The engine's facts at this release."""
+        return engines_mod.lookup(self.engine, self.release)
 
 
 def build_context(
@@ -91,14 +102,15 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim, facts.sinks),
+        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim, facts.sinks,
+                                 limits.release),
         kv_cache_dtype_given=None if kv_cache_dtype is None else str(kv_cache_dtype),
         engine=limits.engine,
         kv_lora_rank=facts.kv_lora_rank,
         qk_rope_head_dim=facts.qk_rope_head_dim,
         precision=settings.precision,
         num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
-        index_topk=engines_mod.ENGINES[limits.engine].index_width(facts.index_topk, facts.index_kpool),
+        index_topk=limits.facts.index_width(facts.index_topk, facts.index_kpool),
         device=device,
         prefill_kernel=settings.prefill_kernel,
         decode_kernel=settings.decode_kernel,

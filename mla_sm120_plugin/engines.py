@@ -10,9 +10,12 @@ so ``mla-sm120 check --engine X`` and engine X say the same thing. Pure Python.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .errors import UnsupportedConfiguration, format_error
 from .kernels.dsa.layout import (BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, ROPE_DIM,
                                  SCALE_ARBITRARY)
 from .kernels.dsv4.layout import NVFP4_DSV4
@@ -98,6 +101,11 @@ class Engine:
     :param sink_layout_refused: why the engine refuses another layout for a sink model.
     :param native_sink_backends: SM family -> the engine's own sparse-MLA path that applies sinks there.
     :param sink_note: what the engine does with a model's sinks on SM12x, without the plugin and with it.
+    :param release: the engine release these facts are for (a key of :data:`RELEASES`).
+    :param dist: the engine's distribution name (what ``pip`` installs, what the installed version is read from).
+    :param install: how to install this release with the plugin (a fix names it).
+    :param missing_architectures: model architectures the plugin has a profile for that this release
+        does not build -> what to do instead (a refusal's fix).
     """
 
     name: str
@@ -122,6 +130,15 @@ class Engine:
     sink_layout_refused: str = ""
     native_sink_backends: Mapping[int, str] = field(default_factory=dict)
     sink_note: str = ""
+    release: str = ""
+    dist: str = ""
+    install: str = ""
+    missing_architectures: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def versioned(self) -> str:
+        """The engine and its release, as messages name them (``vLLM 0.34.0``)."""
+        return f"{self.label} {self.release}"
 
     def kv_layout(self, value: str | None, sm_family: int | None, rope: int = ROPE_DIM, sinks: bool = False) -> str:
         """The layout ``--kv-cache-dtype value`` gives a DSA model with a ``rope``-wide rope part on a
@@ -160,6 +177,8 @@ class Engine:
 
 
 _SHARED_SPELLINGS: Mapping[str, str] = {BF16: BF16, "bfloat16": BF16}
+_VLLM_034_MODELS = ('vLLM 0.34.0 is the first vLLM that builds it: pip install "mla-sm120-plugin[vllm034]", or plan '
+                    "with --engine-version 0.34.0")
 
 VLLM = Engine(
     name="vllm",
@@ -216,10 +235,30 @@ VLLM = Engine(
     # tries its FLASHMLA_SPARSE sink subclass (SM90 / SM100 only), else loads the sink and disables it.
     native_sink_backends={9: "HY V4's own FLASHMLA_SPARSE sink backend (vLLM picks it without --attention-backend)",
                           10: "HY V4's own FLASHMLA_SPARSE sink backend (vLLM picks it without --attention-backend)"},
-    sink_note=("without --attention-backend CUSTOM vLLM 0.33 runs this model on SM12x with the sink disabled "
+    sink_note=("without --attention-backend CUSTOM vLLM runs this model on SM12x with the sink disabled "
                "(its sink path, FLASHMLA_SPARSE, is SM90/SM100 only; 'the sink bias is disabled' in its log); with "
                "it the plugin's backend answers supports_sink(), vLLM hands it the sink weights and every phase's "
                "kernel applies them"),
+    release="0.33.0",
+    dist="vllm",
+    install='pip install "mla-sm120-plugin[vllm]" (vLLM 0.33.0)',
+    missing_architectures={arch: _VLLM_034_MODELS for arch in ("KimiK31ForConditionalGeneration",
+                                                                "MistralLarge4ForCausalLM", "MistralLarge4DSparkModel")},
+)
+
+# vLLM 0.34.0: what moved for the plugin (docs/facts.md, vLLM 0.34). V4.1's compressed backends force a
+# 64-entry kernel block on SM12x (vllm#59203, was 128); Kimi K3.1 and Mistral Large 4 are new sparse-MLA
+# models built through the generic sparse-MLA layer.
+VLLM_034 = dataclasses.replace(
+    VLLM,
+    # MLAAttention sizes fp8_ds_mla rows by the impl's get_fp8_ds_mla_row_bytes(): vLLM's own SM120 impl
+    # answers 528 for a rope-less model (its writer fills the packed row), and so does the plugin's.
+    nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
+    dsv4=dataclasses.replace(VLLM.dsv4, compressed_page_tokens={"v4": 256, "v4.1": 64}),
+    release="0.34.0",
+    install='pip install "mla-sm120-plugin[vllm034]" (vLLM 0.34.0; where the index lacks flashinfer-python 0.7.3, '
+            "uv pip install ... --override .ci/vllm034-overrides.txt)",
+    missing_architectures={},
 )
 
 SGLANG = Engine(
@@ -281,6 +320,53 @@ SGLANG = Engine(
     sink_note=("SGLang 0.5.23 serves learnable sinks only with flashmla_sparse (SM90a / SM100f) and a bfloat16 "
                "cache, so on SM12x its own path has no kernel for this model; with --mla-sm120 every forward's "
                "attn_sink goes to the plugin's kernel for its phase"),
+    release="0.5.23",
+    dist="sglang",
+    install='pip install "mla-sm120-plugin[sglang]" (SGLang 0.5.23)',
+    missing_architectures={arch: "SGLang 0.5.23 has no such model: serve it with vLLM 0.34.0 (--engine vllm)"
+                           for arch in ("KimiK31ForConditionalGeneration", "MistralLarge4ForCausalLM",
+                                        "MistralLarge4DSparkModel")},
 )
 
-ENGINES: Mapping[str, Engine] = {engine.name: engine for engine in (VLLM, SGLANG)}
+# Every engine release the plugin supports, oldest first.
+RELEASES: Mapping[str, Mapping[str, Engine]] = {
+    "vllm": {VLLM.release: VLLM, VLLM_034.release: VLLM_034},
+    "sglang": {SGLANG.release: SGLANG},
+}
+# Each engine at its oldest supported release: the facts a context that names no release reads (the
+# vocabulary, flags and spellings every release of an engine shares).
+ENGINES: Mapping[str, Engine] = {name: next(iter(releases.values())) for name, releases in RELEASES.items()}
+
+
+def installed_release(name: str) -> str | None:
+    """The release of engine ``name`` installed in this environment (read from its distribution's
+    metadata: nothing is imported), or None."""
+    try:
+        return importlib.metadata.version(ENGINES[name].dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release_refusal(name: str, release: str | None) -> str | None:
+    """Why ``release`` of engine ``name`` is not served (given / supported / fix, one a line), or None
+    when it is."""
+    releases = RELEASES[name]
+    if release in releases:
+        return None
+    label = ENGINES[name].label
+    return format_error(f"{label} {release}" if release else f"no {label} installed",
+                        f"{label} " + " or ".join(releases) + " (the releases the plugin's hooks were read from)",
+                        "; or ".join(engine.install for engine in releases.values()))
+
+
+def lookup(name: str, release: str | None = None) -> Engine:
+    """Engine ``name`` at ``release`` (None: its oldest supported release, :data:`ENGINES`).
+
+    :raises UnsupportedConfiguration: a release the plugin does not support (given / supported / fix).
+    """
+    if release is None:
+        return ENGINES[name]
+    refusal = release_refusal(name, release)
+    if refusal is not None:
+        raise UnsupportedConfiguration(refusal)
+    return RELEASES[name][release]

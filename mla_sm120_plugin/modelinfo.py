@@ -280,8 +280,43 @@ def dsv4_geometry(cfg: Any, *, where: str, version: str) -> Dsv4Geometry:
     )
 
 
+def _dsa_config(cfg: Any, where: str) -> Any:
+    """Kimi K3.1's nested ``dsa_config`` (a dict in config.json, an object in vLLM's config), or None."""
+    value = _get(cfg, "dsa_config")
+    if value is _ABSENT:
+        return None
+    if isinstance(value, (str, int, float, bool, list, tuple)):
+        raise _bad_value(where, "dsa_config", value, "an object of indexer settings (dsa_layers, index_topk, ...)",
+                         "set dsa_config to the model's own object, or remove it")
+    return value
+
+
+def _layer_flags(cfg: Any, key: str, where: str) -> None:
+    """A per-layer true/false list (Mistral Large 4's ``nope_layer_flags``), checked for its type."""
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return
+    if (not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS
+            or not all(isinstance(v, bool) for v in value)):
+        raise _bad_value(where, key, value, f"a list (at most {MAX_LAYERS}) of true/false, one a layer",
+                         f"set {key} to the model's per-layer list, or remove it")
+
+
+def _index_sharing(cfg: Any, where: str) -> None:
+    """Mistral Large 4's ``index_sharing``: per layer, ``"full"`` (its own indexer) or another
+    value (an earlier indexer's top-k reused); checked for its type."""
+    value = _get(cfg, "index_sharing")
+    if value is _ABSENT:
+        return
+    if (not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS
+            or not all(isinstance(v, str) and v for v in value)):
+        raise _bad_value(where, "index_sharing", value, f'a list (at most {MAX_LAYERS}) of strings, one a layer ("full": '
+                         "the layer runs its own indexer)", "set index_sharing to the model's per-layer list, or remove it")
+
+
 def _flat_text_config(cfg: Any) -> Any:
-    """V4.1's config nests the text model under ``text_config``; the engines read it flattened."""
+    """A multimodal config (V4.1, Kimi K3.1, GLM-5.3-Flash) nests the text model under ``text_config``;
+    the engines read it flattened (a top-level key wins)."""
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         return {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
     return cfg
@@ -300,10 +335,16 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     where = source or f"HF config of {name}"
     arch = _architectures(cfg, where)[0]
     profile = registry.by_arch.get(arch)
-    if profile is not None and profile.family == DSV4_FAMILY:
-        cfg = _flat_text_config(cfg)
+    cfg = _flat_text_config(cfg)
     heads = _count(cfg, "num_attention_heads", MAX_HEADS, where, profile, "num_heads")
     topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, where, profile, "index_topk")
+    dsa_config = _dsa_config(cfg, where)
+    if dsa_config is not None and _get(cfg, "index_topk") is _ABSENT:
+        # Kimi K3.1 keeps its indexer's settings in dsa_config (vLLM copies index_topk up).
+        topk = _count(dsa_config, "index_topk", MAX_INDEX_TOPK, f"{where}: dsa_config", profile, "index_topk")
+    _flag(cfg, "mla_use_nope", where, False)
+    _layer_flags(cfg, "nope_layer_flags", where)
+    _index_sharing(cfg, where)
     geometry = {key: _count(cfg, key, MAX_HEAD_WIDTH, where, profile, key, least) for key, least in GEOMETRY_KEYS.items()}
     # Absent with no profile: no pooling (1), the same as every DSA model before GLM-5.3-Flash.
     kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1

@@ -15,7 +15,7 @@ from typing import Mapping
 
 from . import config as config_mod
 from .context import EngineLimits
-from .errors import UnsupportedConfiguration
+from .errors import UnsupportedConfiguration, format_error
 from .engines import ENGINES
 from .families import dsa, dsv4
 from .hooks.manager import Registry, get_registry
@@ -46,6 +46,7 @@ class Plan:
     :param notes: what is worth a line beside the table (the decisions' own notes, then the family's).
     :param record: the cache record every layer reads (a DeepSeek-V4 record name), or None (each
         decision's context names its layout).
+    :param release: the engine release planned for.
     """
 
     facts: ModelFacts
@@ -56,6 +57,7 @@ class Plan:
     decisions: Mapping[str, Decision]
     notes: tuple[str, ...] = field(default=())
     record: str | None = None
+    release: str = ""
 
     @property
     def decision(self) -> Decision:
@@ -106,11 +108,16 @@ def plan(
     :param dspark: the draft is DSpark (non-causal window rows).
     :param registry: the plugin registry; the process-wide one by default.
     :returns: the plan, one decision per layer kind.
-    :raises UnsupportedConfiguration: what no kind can serve (device, TP size, KV dtype), or some
-        (layer kind, phase) has no kernel: every such kind in one message, a refusal the kinds share
-        said once.
+    :raises UnsupportedConfiguration: the engine's release does not build the model; what no kind can
+        serve (device, TP size, KV dtype), or some (layer kind, phase) has no kernel: every such kind
+        in one message, a refusal the kinds share said once.
     """
     reg = registry if registry is not None else get_registry()
+    engine = limits.facts
+    if facts.arch in engine.missing_architectures:
+        raise UnsupportedConfiguration(format_error(
+            f"model_arch={facts.arch} ({facts.name}) under {engine.versioned}",
+            f"the architectures {engine.versioned} builds", engine.missing_architectures[facts.arch]))
     family = family_of(facts)
     shaped = PARTS[family].shape(facts, settings, device, kv_cache_dtype, limits,
                                  speculative_tokens=speculative_tokens, dspark=dspark)
@@ -130,4 +137,5 @@ def plan(
                                                  for text, kinds in problems.items()))
     notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes)
     return Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
-                family=family, decisions=decisions, notes=tuple(dict.fromkeys(notes)), record=shaped.record)
+                family=family, decisions=decisions, notes=tuple(dict.fromkeys(notes)), record=shaped.record,
+                release=engine.release)

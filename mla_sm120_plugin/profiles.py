@@ -1,5 +1,5 @@
 """The built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash, HY V4
-(Hy4-preview: DSA with learned per-head sinks) and the DeepSeek-V4 family (V4-Flash, V4-Pro,
+(Hy4-preview: DSA with learned per-head sinks), Kimi K3.1 and Mistral Large 4 (vLLM 0.34) and the DeepSeek-V4 family (V4-Flash, V4-Pro,
 V4.1-Flash and their drafts).
 
 Registered through the same hook (``mla_sm120_model_profiles``) as a third party's profiles.
@@ -67,6 +67,36 @@ HY_V4 = ModelProfile(
 )
 
 
+# vLLM 0.34's two new sparse-MLA models (docs/facts.md, vLLM 0.34). Neither is built by vLLM 0.33 or SGLang
+# 0.5.23 (engines.py: missing_architectures). The head counts are defaults for a plan by name: a config.json's
+# num_attention_heads wins (neither release's config is read here).
+KIMI_K31 = ModelProfile(
+    name="kimi-k3.1",
+    # One multimodal architecture (vLLM builds KimiK3ForConditionalGeneration for it); its text part is
+    # a kimi_linear config whose DSA layers are NoPE MLA (mla_use_nope: the 64 rope columns are kept in
+    # the cache, unrotated) with an optional output gate (g_proj) outside the attention call.
+    architectures=("KimiK31ForConditionalGeneration",),
+    model_type="kimi_k3",
+    num_heads=64,
+    index_topk=2048,  # dsa_config.index_topk's default; vLLM copies it to the top level
+    kv_scale_format=SCALE_POW2,  # vLLM's DSA writer (concat_and_cache_mla) stores power-of-two scales
+    aliases=("kimi-k31", "moonshotai/Kimi-K3.1"),
+)
+
+MISTRAL_LARGE_4 = ModelProfile(
+    name="mistral-large-4",
+    # vLLM 0.34 remaps Mistral's params.json (a `dsa` section) to this architecture; NoPE layers keep the
+    # 576-wide layout with zero rope columns (q padded with zeros), layers may share another layer's KV
+    # (kv_source_layers) and reuse an earlier indexer's top-k (index_sharing).
+    architectures=("MistralLarge4ForCausalLM",),
+    model_type="mistral_large_4",
+    num_heads=128,
+    index_topk=2048,
+    kv_scale_format=SCALE_POW2,  # vLLM forces fp8_ds_mla for it; its writer stores power-of-two scales
+    aliases=("mistralai/Mistral-Large-4",),
+)
+
+
 # DeepSeek-V4 (docs/facts.md, DeepSeek-V4). V4-Flash and V4-Pro share an architecture, so the profile carries each
 # model's config.json keys (what differs from transformers' DeepseekV4Config defaults, which are
 # V4-Flash's) and the CLI reads a name through the same reader as a config.json on disk.
@@ -122,5 +152,7 @@ def mla_sm120_model_profiles() -> Iterator[ModelProfile]:
     yield DEEPSEEK_V32
     yield GLM53_FLASH
     yield HY_V4
+    yield KIMI_K31
+    yield MISTRAL_LARGE_4
     yield DEEPSEEK_V4
     yield DEEPSEEK_V41

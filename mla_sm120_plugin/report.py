@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .engines import ENGINES
+from .engines import ENGINES, lookup
 from .families.dsv4 import kind_name
 from .hooks.manager import get_registry
 from .kernels.accuracy import EXACT_BAR
@@ -206,7 +206,7 @@ def _kinds_table(plan: Plan) -> list[str]:
     heads = plan.facts.num_heads // plan.tensor_parallel_size
     lines = [
         f"DeepSeek-V4 plan: {plan.facts.name} ({plan.facts.arch}, {geometry.version}) on {plan.device.describe()} "
-        f"({plan.device.source}), {ENGINES[plan.engine].label}, tp={plan.tensor_parallel_size}: {heads} heads and "
+        f"({plan.device.source}), {lookup(plan.engine, plan.release or None).versioned}, tp={plan.tensor_parallel_size}: {heads} heads and "
         f"{geometry.o_groups // plan.tensor_parallel_size} output group(s) a GPU",
         f"kv cache: {_record_text(record)}; compressed caches cost "
         + ", ".join(f"{k} {v:.3g} B" for k, v in bytes_per_token(geometry, record).items())
@@ -236,7 +236,8 @@ def explain(plan: Plan | Decision) -> str:
     if isinstance(plan, Decision):
         return explain_decision(plan)
     if plan.facts.dsv4 is None:
-        return explain_decision(plan.decision)
+        own = [f"note: {note}" for note in plan.notes if note not in plan.decision.notes]
+        return "\n".join([explain_decision(plan.decision), *own])
     return "\n".join(_kinds_table(plan))
 
 
@@ -244,7 +245,9 @@ def to_dict(plan: Plan) -> dict[str, Any]:
     """A JSON-ready view (``mla-sm120 check --json``): a DSA plan is its decision's view."""
     geometry = plan.facts.dsv4
     if geometry is None:
-        return decision_to_dict(plan.decision)
+        view = decision_to_dict(plan.decision)
+        notes = [*view.get("notes", ()), *(note for note in plan.notes if note not in plan.decision.notes)]
+        return {**view, "engine": plan.engine, "engine_release": plan.release, "notes": notes}
     record = _record(plan)
     return {
         "servable": True,
@@ -252,6 +255,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "model_arch": plan.facts.arch,
         "model_name": plan.facts.name,
         "engine": plan.engine,
+        "engine_release": plan.release,
         "device": _device_dict(plan.device),
         "tensor_parallel_size": plan.tensor_parallel_size,
         "kv_record": {"name": record.name, "token_bytes": record.token_bytes},
@@ -277,4 +281,5 @@ def log_line(plan: Plan) -> str:
         f"{kind} x{d.context.dsv4.layers if d.context.dsv4 else '?'}: prefill={d.prefill} decode={d.decode}"
         for kind, d in plan.decisions.items())
     return (f"mla_sm120: DeepSeek-V4 plan for {plan.facts.name} ({plan.facts.arch}) on {plan.device.describe()}, "
-            f"{ENGINES[plan.engine].label} tp={plan.tensor_parallel_size}, kv {_record(plan).name}: {kinds}")
+            f"{lookup(plan.engine, plan.release or None).versioned} tp={plan.tensor_parallel_size}, kv {_record(plan).name}: "
+            f"{kinds}")

@@ -158,16 +158,41 @@ def common_metadata(q_lens: list[int], seq_lens: list[int], block_table: list[li
     return cam
 
 
+# FlashInfer's per-device DeepSeek-V4 workspace, by vLLM release (0.34 made the helper public).
+DSV4_WORKSPACE = {"0.33.0": "_get_flashinfer_dsv4_workspace", "0.34.0": "get_flashinfer_dsv4_workspace"}
+
+
+def dsv4_workspace(device):
+    """The workspace vLLM's DeepSeek-V4 layer hands FlashInfer's call on ``device`` (vLLM's own helper)."""
+    from vllm.models.deepseek_v4.nvidia import flashinfer_sparse
+
+    from mla_sm120_plugin.engines import installed_release
+
+    return getattr(flashinfer_sparse, DSV4_WORKSPACE[installed_release("vllm")])(device)
+
+
+def impl_row_bytes(kv_cache_dtype: str, head_size: int) -> int:
+    """What the plugin's impl answers vLLM for a cache row (``get_fp8_ds_mla_row_bytes``; vLLM 0.34
+    sizes fp8_ds_mla specs by it) for a layer of ``head_size`` (576, or 512 rope-less)."""
+    from mla_sm120_plugin.integration.vllm.backend import MlaSm120Impl
+
+    impl = types.SimpleNamespace(kv_cache_dtype=kv_cache_dtype, qk_rope_head_dim=head_size - 512)
+    return MlaSm120Impl.get_fp8_ds_mla_row_bytes(impl)
+
+
 def kv_cache_spec(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, *, head_size: int = 576):
     """The layer's KV cache spec as vLLM makes it: ``MLAAttention.get_kv_cache_spec`` (vLLM's own
-    code: it sizes the ds_mla rows, 656 or 352 bytes, by ``kv_cache_dtype``), then the plugin
-    backend's ``customize_spec``, as vLLM's KV cache manager applies it."""
+    code: 0.33 sizes the ds_mla rows, 656 or 352 bytes, by ``kv_cache_dtype``; 0.34 asks the impl for
+    fp8_ds_mla's, which the plugin's impl answers), then the plugin backend's ``customize_spec``, as
+    vLLM's KV cache manager applies it."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 
+    impl = types.SimpleNamespace(get_fp8_ds_mla_row_bytes=lambda: impl_row_bytes(kv_cache_dtype, head_size))
     layer = types.SimpleNamespace(kv_cache_dtype=kv_cache_dtype, head_size=head_size, sliding_window=None,
-                                  topk_buffer_width=topk, indexer=object(), non_causal_multi_token_decode=False)
+                                  topk_buffer_width=topk, indexer=object(), non_causal_multi_token_decode=False,
+                                  impl=impl)
     with set_current_vllm_config(vllm_config):
         return MlaSm120Backend.customize_spec(MLAAttention.get_kv_cache_spec(layer, vllm_config))
 
@@ -180,7 +205,7 @@ def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam,
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 
-    byte_rows = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(kv_cache_dtype)
+    byte_rows = impl_row_bytes(kv_cache_dtype, head_size) if kv_cache_dtype in ("fp8_ds_mla", "nvfp4_ds_mla") else None
     vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
     spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
         block_size=page, num_kv_heads=1, head_size=head_size, dtype=torch.uint8 if byte_rows else torch.bfloat16,

@@ -17,7 +17,7 @@ import dataclasses
 
 from .. import config as config_mod
 from ..context import EngineLimits, build_context
-from ..engines import ENGINES, Engine
+from ..engines import ENGINES, Engine, lookup
 from ..errors import UnsupportedConfiguration, format_error
 from ..kernels.dsv4.layout import FP8_DSV4, NVFP4_DSV4, NVFP4_RECORD
 from ..kernels.shared.host import cdiv
@@ -60,8 +60,9 @@ def _window_widths(engine: Engine, geometry: Dsv4Geometry, speculative_tokens: i
 
 
 def layer_calls(facts: ModelFacts, engine: str, tensor_parallel_size: int, *, speculative_tokens: int = 0,
-                dspark: bool = False) -> list[Dsv4Call]:
-    """One :class:`Dsv4Call` per layer kind of ``facts`` under ``engine`` at this TP size.
+                dspark: bool = False, release: str | None = None) -> list[Dsv4Call]:
+    """One :class:`Dsv4Call` per layer kind of ``facts`` under ``engine`` (at ``release``; None: its
+    oldest supported) at this TP size.
 
     :raises UnsupportedConfiguration: not a DeepSeek-V4 model, or the TP size does not divide the heads.
     """
@@ -70,7 +71,7 @@ def layer_calls(facts: ModelFacts, engine: str, tensor_parallel_size: int, *, sp
         raise UnsupportedConfiguration(format_error(f"{facts.name} ({facts.arch}) is not a DeepSeek-V4 model",
                                                     "DeepSeek-V4, V4-Pro, V4.1 and their drafts",
                                                     "plan a DSA model with mla-sm120 check (no layer kinds)"))
-    words = ENGINES[engine]
+    words = lookup(engine, release)
     rules = words.dsv4
     heads = facts.heads_per_rank(tensor_parallel_size)
     decode_window, prefill_window = _window_widths(words, geometry, speculative_tokens, dspark)
@@ -169,9 +170,9 @@ def shape(facts: ModelFacts, settings: config_mod.Settings, device: DeviceInfo, 
     :param dspark: the draft is DSpark (non-causal window rows).
     :raises UnsupportedConfiguration: the device, the TP size or the KV dtype cannot be served.
     """
-    engine = ENGINES[limits.engine]
+    engine = limits.facts
     calls = layer_calls(facts, limits.engine, limits.tensor_parallel_size, speculative_tokens=speculative_tokens,
-                        dspark=dspark)
+                        dspark=dspark, release=limits.release)
     _device_refusal(facts, device, engine, kv_cache_dtype)
     _tp_refusal(facts, limits.tensor_parallel_size, device)
     record = _kv_record(engine, kv_cache_dtype, facts, device, dspark)

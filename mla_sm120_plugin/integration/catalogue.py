@@ -11,6 +11,7 @@ upgrade names what moved.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,11 @@ class Internal:
     :param what: what the adapter does with it (reads, calls, wraps, overrides, writes).
     :param why: why the adapter needs it.
     :param let_go: the upstream change that would let the adapter stop touching it.
-    :param read_from: the engine release it was read from (``"0.33.0"``).
+    :param read_from: the engine release it was first read from (``"0.33.0"``).
+    :param changed: each later release it was read from again -> what changed there for the adapter
+        (``""``: nothing).
+    :param releases: the releases it exists in, where not every release the adapter supports (an
+        internal a later release added, or one it removed).
     :param sites: how the adapter's code spells it, where not as ``name`` itself (the other dotted
         names it reaches through it, and ``"<module>: super().<method>"``, ``"<module>: .<attribute>"``,
         ``"<module>: <private global>"``, ``"<module>: $ENV_VAR"``, ``"<module>: child of <name>"`` for what it
@@ -35,6 +40,8 @@ class Internal:
     let_go: str
     read_from: str
     sites: tuple[str, ...] = field(default=())
+    changed: Mapping[str, str] = field(default_factory=dict)
+    releases: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for key in ("name", "what", "why", "let_go", "read_from"):
@@ -44,6 +51,10 @@ class Internal:
         if "." not in self.name:
             raise ValueError(f"Internal.name: {self.name!r} is not a dotted engine name; write the module path "
                              "and the attribute, e.g. 'vllm.config.get_current_vllm_config_or_none'")
+
+    def exists_in(self, release: str) -> bool:
+        """Whether the adapter touches this internal under ``release`` (it exists there)."""
+        return not self.releases or release in self.releases
 
     def spellings(self) -> tuple[str, ...]:
         """Every way the adapter's code may spell this internal: its name and its other sites (the

@@ -141,7 +141,8 @@ def test_an_unknown_model_name_is_refused_listing_every_profile_name_and_alias()
         "'deepseek-ai/DeepSeek-V3.2-Exp', 'deepseek-ai/DeepSeek-V4-Flash', 'deepseek-ai/DeepSeek-V4-Flash-Base', "
         "'deepseek-ai/DeepSeek-V4-Pro', 'deepseek-ai/DeepSeek-V4.1-Flash', 'deepseek-v3.2', 'deepseek-v4', "
         "'deepseek-v4-flash', 'deepseek-v4-pro', 'deepseek-v4.1', 'deepseek-v4.1-flash', 'glm-5', 'glm-5.3', "
-        "'glm-5.3-flash', 'glm-dsa', 'hy-v4', 'hy4-preview', 'tencent/Hy4-preview', 'zai-org/GLM-5', "
+        "'glm-5.3-flash', 'glm-dsa', 'hy-v4', 'hy4-preview', 'kimi-k3.1', 'kimi-k31', 'mistral-large-4', "
+        "'mistralai/Mistral-Large-4', 'moonshotai/Kimi-K3.1', 'tencent/Hy4-preview', 'zai-org/GLM-5', "
         "'zai-org/GLM-5-FP8', 'zai-org/GLM-5.3-Flash', 'zai-org/GLM-5.3-Flash-FP8']\n"
         "fix: pass a local model directory or a listed name")
     # a long name or path is shown whole up to 300 characters (a path is often longer than 60)

@@ -35,7 +35,7 @@ from mla_sm120_plugin.kernels.dsv4 import layout, pack
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm_engine import construction_context, make_vllm_config, one_rank as vllm_one_rank  # noqa: E402
+from vllm_engine import construction_context, dsv4_workspace, make_vllm_config, one_rank as vllm_one_rank  # noqa: E402
 
 MAX_LEN = 4096  # make_vllm_config's max_model_len
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -465,5 +465,5 @@ def test_every_planned_split_fits_the_workspace_vllm_passes_the_call():
     from mla_sm120_plugin.kernels.dsv4 import plan
 
     assert plan.scratch_bound() <= flashinfer_sparse._FLASHINFER_DSV4_WORKSPACE_BUFFER_SIZE
-    workspace = flashinfer_sparse._get_flashinfer_dsv4_workspace(torch.device("cpu"))
+    workspace = dsv4_workspace(torch.device("cpu"))
     assert workspace.dtype == torch.uint8 and workspace.is_contiguous()  # what triton_dsv4 carves from

@@ -94,3 +94,19 @@ def test_a_faulty_third_party_hook_does_not_break_vllms_plugin_loading(demo_plug
                                 "dsv4_selector_wrapped": [True, True]}
     assert any(line.startswith("PluginError given: plugin mla-sm120-demo 0.1.0") and "mla_sm120_select" in line
                for line in before), res.stdout
+
+
+def test_an_unsupported_vllm_release_is_refused_at_register_with_nothing_applied(tmp_path):
+    """A vLLM whose metadata says 0.32.0 (a dist-info ahead of the real one on sys.path: what
+    importlib.metadata, and so the plugin, reads as the installed release): register() logs given /
+    supported / fix once and neither registers CUSTOM nor wraps DeepSeek-V4's class choice."""
+    meta = tmp_path / "vllm-0.32.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out, err = _run(env)
+    assert out == {"overridden": False, "path": None, "dsv4_imported_by_plugins": [],
+                   "dsv4_selector_wrapped": [False, False]}
+    assert err.count("not registering the CUSTOM attention backend: given: vLLM 0.32.0; supported: vLLM 0.33.0 or "
+                     "0.34.0") == 1, err[-2000:]
+    assert 'fix: pip install "mla-sm120-plugin[vllm]" (vLLM 0.33.0); or pip install "mla-sm120-plugin[vllm034]"' in err

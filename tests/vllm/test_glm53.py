@@ -1,7 +1,8 @@
-"""GLM-5.3-Flash (rope-less sparse MLA) through vLLM 0.33's own objects on the CPU.
+"""GLM-5.3-Flash (rope-less sparse MLA) through vLLM's own objects (0.33 and 0.34) on the CPU.
 
 The selector asks for head_size 512; ``forward_mqa`` gets ``(ql_nope [N, H, 512], q_pe [N, H, 0])``,
-vLLM's 656-byte fp8_ds_mla rows whose last 128 bytes are reserved zeros (or 512 bf16 values), and a
+vLLM's fp8_ds_mla rows (0.33: 656 bytes whose last 128 are reserved zeros; 0.34: the packed 528, as
+vLLM's own SM120 impl sizes them) or 512 bf16 values, and a
 2176-wide index buffer of logical positions (the kpool indexer's picks with -1 holes, then the tail
 columns), converted to slots by the impl. The expected values are float64 attention over the rows
 as tests/layout_oracle.py decodes their bytes.
@@ -14,7 +15,9 @@ import pytest
 import torch
 from layout_oracle import attention, decode_cache
 from model_configs import write_model
-from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, selector_kwargs
+from vllm_engine import build_metadata, common_metadata, kv_cache_spec, make_impl, make_vllm_config, selector_kwargs
+
+from mla_sm120_plugin.engines import installed_release
 
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
 from mla_sm120_plugin.hooks.manager import get_registry
@@ -27,10 +30,20 @@ SCALE = 256**-0.5  # qk_nope 256, no rope, no YaRN mscale
 Q_LENS = [1, 1, 3]  # two decodes, one short prefill
 SEQ_LENS = [150, 70, 40]
 BLOCK_TABLE = [[3, 7, 0], [1, 2, 0], [5, 0, 0]]
+# vLLM's fp8_ds_mla row for a rope-less model, per release: 0.33 keeps 656 bytes (128 reserved), 0.34
+# sizes it by the impl's get_fp8_ds_mla_row_bytes(), 528 in its own SM120 impl and the plugin's.
+FP8_ROPELESS = {"0.33.0": ("fp8_ds_mla_nope", 656), "0.34.0": ("fp8_nope", 528)}[installed_release("vllm")]
+
+
+def test_vllms_spec_sizes_the_rope_less_row_as_the_release_does(tmp_path):
+    """vLLM's own MLAAttention.get_kv_cache_spec, asking the plugin's impl where 0.34 asks."""
+    vc = make_vllm_config(write_model(tmp_path, "glm53", heads=HEADS), cache_dtype="fp8_ds_mla", enforce_eager=True)
+    assert kv_cache_spec(vc, "fp8_ds_mla", WIDTH, head_size=512).state_content_bytes == FP8_ROPELESS[1]
+    assert kv_cache_spec(vc, "fp8_ds_mla", WIDTH, head_size=576).state_content_bytes == 656
 
 
 @pytest.mark.parametrize("cap", [(12, 0), (12, 1)])
-@pytest.mark.parametrize("kv, layout_name", [("fp8_ds_mla", "fp8_ds_mla_nope"), ("auto", "bf16_nope"),
+@pytest.mark.parametrize("kv, layout_name", [("fp8_ds_mla", FP8_ROPELESS[0]), ("auto", "bf16_nope"),
                                              ("bfloat16", "bf16_nope")])
 def test_validate_configuration_accepts_the_rope_less_model(tmp_path, cap, kv, layout_name):
     from vllm.config import set_current_vllm_config
@@ -61,7 +74,7 @@ def _logical_ids(gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("kv", ["fp8_ds_mla", "bfloat16"])
 def test_forward_mqa_matches_float64_attention(tmp_path, cpu_vllm, kv):
     gen = torch.Generator().manual_seed(11)
-    layout_name = "fp8_ds_mla_nope" if kv == "fp8_ds_mla" else "bf16_nope"
+    layout_name = FP8_ROPELESS[0] if kv == "fp8_ds_mla" else "bf16_nope"
     vc = make_vllm_config(write_model(tmp_path, "glm53", heads=HEADS), cache_dtype=kv, enforce_eager=True)
     impl = make_impl(vc, heads=HEADS, topk=WIDTH, kv_cache_dtype=kv, scale=SCALE, load_device="cpu", model="glm53")
     md = build_metadata(vc, kv, WIDTH, common_metadata(Q_LENS, SEQ_LENS, BLOCK_TABLE, page=PAGE,

@@ -26,14 +26,23 @@ def register() -> None:
     """Register the backend under ``AttentionBackendEnum.CUSTOM``; cheap, idempotent, never raises.
 
     If CUSTOM already belongs to another plugin, it is left alone and both names are logged
-    once: silently replacing someone else's backend would change what their users run.
+    once: silently replacing someone else's backend would change what their users run. Under a
+    vLLM release the plugin was not read from, nothing is registered or hooked (its internals may
+    have moved) and the refusal is logged: given, supported, fix (``mla-sm120 check`` says the same).
     """
     if _state:
         return
+    from ...engines import installed_release, release_refusal
     from .names import BACKEND_PATH, LOGGER_NAME
     from .ray_env import carry_settings_to_ray
 
     logger = logging.getLogger(LOGGER_NAME)
+    refusal = release_refusal("vllm", installed_release("vllm"))
+    if refusal is not None:
+        _state["outcome"] = "unsupported release"
+        logger.error("mla_sm120: not registering the CUSTOM attention backend: %s",
+                     refusal.replace("\n", "; "))
+        return
     carry_settings_to_ray()
     try:
         # vllm is already imported when vLLM calls this; the import is free then.

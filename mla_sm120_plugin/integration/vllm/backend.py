@@ -1,4 +1,4 @@
-"""The DSA binding: the CUSTOM sparse-MLA attention backend for vLLM 0.33 (backend, metadata builder, impl).
+"""The DSA binding: the CUSTOM sparse-MLA attention backend for vLLM 0.33 and 0.34 (backend, metadata builder, impl).
 
 Imported only when vLLM resolves ``--attention-backend CUSTOM``; heavy imports are fine here.
 The decision (which kernel serves each phase) is made in :meth:`MlaSm120Backend.validate_configuration`,
@@ -31,11 +31,12 @@ from ...dispatch import selfcheck
 from ...dispatch.binding import BoundKernel, bind
 from ...report import decision_line
 from ...rules import SERVED_SM_FAMILIES
-from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE
+from ...engines import lookup
+from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE, TOKEN_BYTES
 from ...kernels.dsa.pack import page_view
 from ...types import DECODE, PREFILL, Decision, SelectionContext
 from .names import LOGGER_NAME
-from .translate import current_vllm_config, device_capability, plan_from_vllm
+from .translate import current_vllm_config, device_capability, plan_from_vllm, release
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -222,6 +223,14 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             SLOT.logged.add(ctx)
             logger.info("%s", decision_line(self.decision))
             logger.info("%s", check_line)
+
+    def get_fp8_ds_mla_row_bytes(self) -> int:
+        """Bytes of one cache row in the layout this layer's ``--kv-cache-dtype`` gives it under the
+        installed vLLM: 656 (fp8_ds_mla), 528 (fp8_ds_mla for a rope-less model on 0.34; 0.33 keeps
+        656), 352 (nvfp4_ds_mla); a bf16 row's 1152 or 1024 (vLLM asks for fp8_ds_mla only). vLLM 0.34 sizes the fp8_ds_mla cache spec and the index group's rows
+        by it; vLLM's base answers 656 for every model. Called while the base constructor runs,
+        before the plan is bound, so it reads the layer's own geometry."""
+        return TOKEN_BYTES[lookup("vllm", release()).kv_layout(self.kv_cache_dtype, None, self.qk_rope_head_dim)]
 
     def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         kernel = self._mla_sm120_kernels[phase]

@@ -15,6 +15,7 @@ from typing import Any
 from ... import device as device_mod
 from ...config import ADDITIONAL_CONFIG_KEY
 from ...context import EngineLimits, build_context, plugin_config
+from ...engines import installed_release, lookup
 from ...errors import UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...modelinfo import facts_from_hf_config
@@ -29,12 +30,24 @@ def current_vllm_config() -> Any:
     return get_current_vllm_config_or_none()
 
 
+def release() -> str:
+    """The installed vLLM's release, as the plan keys its facts.
+
+    :raises UnsupportedConfiguration: a release the plugin does not support (``register()`` logged
+        the same words and registered nothing, so this is reached only by a forced path).
+    """
+    return lookup("vllm", installed_release("vllm") or "").release
+
+
 def engine_limits(vllm_config: Any) -> EngineLimits:
     """vLLM's parallelism, scheduling and attention settings, as the selection needs them."""
+    from vllm.v1.attention.backend import max_decode_query_len
+
     model_config = vllm_config.model_config
     sched = vllm_config.scheduler_config
-    spec = vllm_config.speculative_config
-    decode_q = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    # The widest request vLLM's builders count as a decode (their reorder threshold reads the same
+    # function): 1 + speculative tokens, plus what the release's drafters append.
+    decode_q = max_decode_query_len(vllm_config)
     comp = vllm_config.compilation_config
     parallel = vllm_config.parallel_config
     features = set()
@@ -49,6 +62,8 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
         cuda_graphs=(not model_config.enforce_eager and comp.cudagraph_mode is not None
                      and comp.cudagraph_mode.has_full_cudagraphs()),
         features=frozenset(features),
+        engine="vllm",
+        release=release(),
     )
 
 
