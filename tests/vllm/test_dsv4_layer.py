@@ -27,6 +27,8 @@ import torch
 from layout_oracle import dsv4_oracle_attention
 
 from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
+from mla_sm120_plugin.engines import installed_release, lookup
+from mla_sm120_plugin.integration.vllm.translate import plan_from_vllm
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm import dsv4
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
@@ -246,11 +248,21 @@ def test_v41_layers_get_the_plugins_class_with_their_own_kinds(tmp_path, sm):
     from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import DeepseekV4FlashInferSM120Attention
 
     sm(12, 1)
-    layers = _build(_vllm_config(_v41_model_dir(tmp_path)), "v4.1")
+    cfg = _vllm_config(_v41_model_dir(tmp_path))
+    layers = _build(cfg, "v4.1")
     assert all(isinstance(layer, DeepseekV4FlashInferSM120Attention) for layer in layers)
     assert [dsv4.layer_kind(layer) for layer in layers] == ["window", "c1a", "c2a"]
     assert layers[0].swa_cache_layer.block_size == 32  # V4.1's window pages on SM12x
     assert {layer._o_proj_block_size for layer in layers} <= {32, 128} and layers[0]._einsum_recipe is not None
+    # The compressed pages the plan assumes are the kernel block vLLM's own V4.1 backend asks for on
+    # SM12x: 128 in 0.33, 64 in 0.34 (vllm#59203); a page holds block / ratio entries.
+    release = installed_release("vllm")
+    (block,) = layers[1].get_attn_backend().get_supported_kernel_block_sizes()
+    assert block == {"0.33.0": 128, "0.34.0": 64}[release]
+    assert lookup("vllm", release).dsv4.compressed_page_tokens["v4.1"] == block
+    planned = plan_from_vllm(cfg, cfg.cache_config.cache_dtype, (12, 1), hf_config=cfg.model_config.hf_config)
+    assert {kind: d.context.dsv4.extra_page for kind, d in planned.decisions.items()} == {
+        "window": 0, "c1a": block, "c2a": block // 2}
 
 
 @pytest.mark.parametrize("version, index, qlens", [("v4", 0, MIXED), ("v4", 2, DECODES), ("v4.1", 0, MIXED)],
