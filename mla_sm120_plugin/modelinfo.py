@@ -103,7 +103,9 @@ class ModelFacts:
     :param index_kpool: indexer keys pooled per top-k pick (1: none).
     :param dsv4: a DeepSeek-V4 model's layer geometry; None for a DSA model.
     :param sinks: the attention carries a learned sink logit per head (the config's
-        ``learnable_sink``; absent: the profile's)."""
+        ``learnable_sink``; absent: the profile's).
+    :param dense_layers: MLA layers the model builds dense, without an indexer (Kimi K3.1's MLA
+        layers outside ``dsa_config.dsa_layers``); 0 when none, or when the config does not list them."""
 
     arch: str
     name: str
@@ -116,6 +118,7 @@ class ModelFacts:
     index_kpool: int = 1
     dsv4: Dsv4Geometry | None = None
     sinks: bool = False
+    dense_layers: int = 0
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -291,6 +294,32 @@ def _dsa_config(cfg: Any, where: str) -> Any:
     return value
 
 
+def _layer_ids(cfg: Any, key: str, where: str, layers: int) -> set[int] | None:
+    """A list of 1-based layer numbers (Kimi's ``dsa_layers``, ``kda_layers``), or None when absent."""
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return None
+    if (not isinstance(value, (list, tuple))
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= layers for v in value)):
+        raise _bad_value(where, key, value, f"a list of layer numbers from 1 to {layers} (num_hidden_layers)",
+                         f"set {key} to the model's own list")
+    return set(value)
+
+
+def _dense_mla_layers(cfg: Any, dsa_config: Any, where: str) -> int:
+    """Kimi K3.1's MLA layers outside ``dsa_config.dsa_layers`` (vLLM builds them dense): the layers
+    that are neither linear (``linear_attn_config.kda_layers``) nor DSA; 0 when the config does not
+    say (no layer count or no ``dsa_layers``)."""
+    layers = _count(cfg, "num_hidden_layers", MAX_LAYERS, where, None, "", 0)
+    sparse = _layer_ids(dsa_config, "dsa_layers", f"{where}: dsa_config", layers) if layers else None
+    if sparse is None:
+        return 0
+    linear_config = _get(cfg, "linear_attn_config")
+    linear = (_layer_ids(linear_config, "kda_layers", f"{where}: linear_attn_config", layers)
+              if isinstance(linear_config, dict) else None) or set()
+    return sum(1 for layer in range(1, layers + 1) if layer not in linear and layer not in sparse)
+
+
 def _layer_flags(cfg: Any, key: str, where: str) -> None:
     """A per-layer true/false list (Mistral Large 4's ``nope_layer_flags``), checked for its type."""
     value = _get(cfg, key)
@@ -339,9 +368,12 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     heads = _count(cfg, "num_attention_heads", MAX_HEADS, where, profile, "num_heads")
     topk = _count(cfg, "index_topk", MAX_INDEX_TOPK, where, profile, "index_topk")
     dsa_config = _dsa_config(cfg, where)
-    if dsa_config is not None and _get(cfg, "index_topk") is _ABSENT:
-        # Kimi K3.1 keeps its indexer's settings in dsa_config (vLLM copies index_topk up).
-        topk = _count(dsa_config, "index_topk", MAX_INDEX_TOPK, f"{where}: dsa_config", profile, "index_topk")
+    dense = 0
+    if dsa_config is not None:
+        if _get(cfg, "index_topk") is _ABSENT:
+            # Kimi K3.1 keeps its indexer's settings in dsa_config (vLLM copies index_topk up).
+            topk = _count(dsa_config, "index_topk", MAX_INDEX_TOPK, f"{where}: dsa_config", profile, "index_topk")
+        dense = _dense_mla_layers(cfg, dsa_config, where)
     _flag(cfg, "mla_use_nope", where, False)
     _layer_flags(cfg, "nope_layer_flags", where)
     _index_sharing(cfg, where)
@@ -359,7 +391,7 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
         v41 = arch in DSV41_ARCHS or _get(cfg, "model_type") == DSV41_MODEL_TYPE
         dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
     return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, sinks=sinks,
-                      **geometry)
+                      dense_layers=dense, **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:

@@ -118,6 +118,15 @@ def plan(
         raise UnsupportedConfiguration(format_error(
             f"model_arch={facts.arch} ({facts.name}) under {engine.versioned}",
             f"the architectures {engine.versioned} builds", engine.missing_architectures[facts.arch]))
+    if facts.dense_layers and engine.name == "vllm":
+        # vLLM's --attention-backend picks every attention layer's backend; the plugin's is sparse MLA
+        # only, so vLLM's selector refuses it for a dense MLA layer while it builds the model.
+        raise UnsupportedConfiguration(format_error(
+            f"{facts.name} ({facts.arch}) has {facts.dense_layers} dense MLA layer(s) (MLA layers outside "
+            f"dsa_config.dsa_layers) under {engine.enable_flag}",
+            "a model whose MLA layers are all sparse: the flag gives every attention layer the plugin's backend, "
+            "which serves sparse MLA only (vLLM refuses it for a dense layer when it builds the model)",
+            f"serve this model without {engine.enable_flag} (vLLM's own backends serve both kinds)"))
     family = family_of(facts)
     shaped = PARTS[family].shape(facts, settings, device, kv_cache_dtype, limits,
                                  speculative_tokens=speculative_tokens, dspark=dspark)

@@ -57,7 +57,7 @@ def test_the_launcher_plans_each_layer_kind_and_exports_it(tmp_path, capability,
     caplog.set_level(logging.WARNING, logger="mla_sm120_plugin")
     _launch(_model(tmp_path), tp_size=4)
     (line,) = [r.getMessage() for r in caplog.records if "DeepSeek-V4 plan" in r.getMessage()]
-    assert "SGLang tp=4" in line and "sm_120" in line
+    assert "SGLang 0.5.23 tp=4" in line and "sm_120" in line
     kernel = _expected_kernel()
     for kind in ("c128a x2", "c4a x1", "window x1"):
         assert f"{kind}: prefill={kernel} decode={kernel}" in line

@@ -90,6 +90,7 @@ def test_vllm_033_and_sglang_refuse_them_naming_vllm_034(tmp_path, capsys, name)
     ("dsa_config", "2048", "an object of indexer settings"),
     ("dsa_config", {"index_topk": "2048"}, "dsa_config: index_topk='2048'"),
     ("mla_use_nope", "yes", "true or false"),
+    ("dsa_config", {**KIMI_K31["text_config"]["dsa_config"], "dsa_layers": [4, 9]}, "a list of layer numbers from 1 to 8"),
 ])
 def test_kimis_nested_keys_are_checked(tmp_path, capsys, key, value, words):
     cfg = {**KIMI_K31, "text_config": {**KIMI_K31["text_config"], key: value}}
@@ -146,3 +147,17 @@ def test_the_release_planned_for_is_said_and_an_unsupported_one_refused(capsys):
     assert_three_parts(report["stderr"])
     assert "given: vLLM 0.32.0\nsupported: vLLM 0.33.0 or 0.34.0" in report["stderr"]
     assert "fix: pass --engine-version 0.33.0 or 0.34.0; or pip install" in report["stderr"]
+
+
+def test_kimi_with_dense_mla_layers_is_refused_under_the_opt_in(tmp_path, capsys):
+    """An MLA layer outside dsa_config.dsa_layers is built dense by vLLM, and --attention-backend CUSTOM
+    gives it the plugin's sparse-only backend, which vLLM's selector refuses at build: check says so
+    first. (Layers 1-3 and 5-7 are linear, 4 and 8 sparse in KIMI_K31; dropping 8 from dsa_layers
+    leaves one dense MLA layer.)"""
+    text = KIMI_K31["text_config"]
+    cfg = {**KIMI_K31, "text_config": {**text, "dsa_config": {**text["dsa_config"], "dsa_layers": [4]}}}
+    rc, report = _check(capsys, "--model", _write(tmp_path, cfg), "--sm", "12.0", "--engine-version", "0.34.0")
+    assert rc == 2, report
+    assert_three_parts(report["stderr"])
+    assert "has 1 dense MLA layer(s) (MLA layers outside dsa_config.dsa_layers)" in report["stderr"]
+    assert "fix: serve this model without --attention-backend CUSTOM" in report["stderr"]
