@@ -132,10 +132,9 @@ def _engine_release(name: str, given: str | None) -> tuple[str, str]:
     if chosen is None:
         chosen, why = releases[-1], "none installed here: the newest the plugin supports"
     else:
-        refusal = release_refusal(name, chosen)
+        refusal = release_refusal(name, chosen, first_fix=f"pass --engine-version {' or '.join(releases)}")
         if refusal is not None:
-            flag = f"pass --engine-version {' or '.join(releases)}"
-            raise UnsupportedConfiguration(refusal.replace("\nfix: ", f"\nfix: {flag}; or ", 1))
+            raise UnsupportedConfiguration(refusal)
         why = "--engine-version" if given is not None else "the release installed here"
     others = [release for release in releases if release != chosen]
     if others:

@@ -74,7 +74,7 @@ class EngineLimits:
                                            "pass the engine the context is built for"))
         object.__setattr__(self, "release", engines_mod.lookup(self.engine, self.release).release)
         if self.scale_format is None:
-            object.__setattr__(self, "scale_format", engines_mod.ENGINES[self.engine].scale_format)
+            object.__setattr__(self, "scale_format", self.facts.scale_format)
 
     @property
     def facts(self) -> engines_mod.Engine:

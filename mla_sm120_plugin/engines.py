@@ -11,6 +11,7 @@ so ``mla-sm120 check --engine X`` and engine X say the same thing. Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -104,8 +105,10 @@ class Engine:
     :param release: the engine release these facts are for (a key of :data:`RELEASES`).
     :param dist: the engine's distribution name (what ``pip`` installs, what the installed version is read from).
     :param install: how to install this release with the plugin (a fix names it).
-    :param missing_architectures: model architectures the plugin has a profile for that this release
-        does not build -> what to do instead (a refusal's fix).
+    :param missing_architectures: model architectures this release does not build -> what to do
+        instead (a refusal's fix).
+    :param opt_in_every_layer: the opt-in gives every attention layer the plugin's backend (vLLM's
+        ``--attention-backend``), so a dense MLA layer cannot be left to the engine's own backends.
     """
 
     name: str
@@ -134,6 +137,7 @@ class Engine:
     dist: str = ""
     install: str = ""
     missing_architectures: Mapping[str, str] = field(default_factory=dict)
+    opt_in_every_layer: bool = False
 
     @property
     def versioned(self) -> str:
@@ -177,6 +181,8 @@ class Engine:
 
 
 _SHARED_SPELLINGS: Mapping[str, str] = {BF16: BF16, "bfloat16": BF16}
+# Sparse-MLA architectures vLLM 0.34 added (and the Mistral Large 4 DSpark draft beside them).
+_NEW_IN_VLLM_034 = ("KimiK31ForConditionalGeneration", "MistralLarge4ForCausalLM", "MistralLarge4DSparkModel")
 _VLLM_034_MODELS = ('vLLM 0.34.0 is the first vLLM that builds it: pip install "mla-sm120-plugin[vllm034]", or plan '
                     "with --engine-version 0.34.0")
 
@@ -242,8 +248,8 @@ VLLM = Engine(
     release="0.33.0",
     dist="vllm",
     install='pip install "mla-sm120-plugin[vllm]" (vLLM 0.33.0)',
-    missing_architectures={arch: _VLLM_034_MODELS for arch in ("KimiK31ForConditionalGeneration",
-                                                                "MistralLarge4ForCausalLM", "MistralLarge4DSparkModel")},
+    opt_in_every_layer=True,
+    missing_architectures={arch: _VLLM_034_MODELS for arch in _NEW_IN_VLLM_034},
 )
 
 # vLLM 0.34.0: what moved for the plugin (docs/facts.md, vLLM 0.34). V4.1's compressed backends force a
@@ -324,8 +330,7 @@ SGLANG = Engine(
     dist="sglang",
     install='pip install "mla-sm120-plugin[sglang]" (SGLang 0.5.23)',
     missing_architectures={arch: "SGLang 0.5.23 has no such model: serve it with vLLM 0.34.0 (--engine vllm)"
-                           for arch in ("KimiK31ForConditionalGeneration", "MistralLarge4ForCausalLM",
-                                        "MistralLarge4DSparkModel")},
+                           for arch in _NEW_IN_VLLM_034},
 )
 
 # Every engine release the plugin supports, oldest first.
@@ -338,25 +343,27 @@ RELEASES: Mapping[str, Mapping[str, Engine]] = {
 ENGINES: Mapping[str, Engine] = {name: next(iter(releases.values())) for name, releases in RELEASES.items()}
 
 
+@functools.cache
 def installed_release(name: str) -> str | None:
     """The release of engine ``name`` installed in this environment (read from its distribution's
-    metadata: nothing is imported), or None."""
+    metadata once a process: nothing is imported), or None."""
     try:
         return importlib.metadata.version(ENGINES[name].dist)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def release_refusal(name: str, release: str | None) -> str | None:
+def release_refusal(name: str, release: str | None, first_fix: str | None = None) -> str | None:
     """Why ``release`` of engine ``name`` is not served (given / supported / fix, one a line), or None
-    when it is."""
+    when it is; ``first_fix``: a fix to offer before installing a supported release."""
     releases = RELEASES[name]
     if release in releases:
         return None
     label = ENGINES[name].label
+    fixes = [*filter(None, [first_fix]), *(engine.install for engine in releases.values())]
     return format_error(f"{label} {release}" if release else f"no {label} installed",
                         f"{label} " + " or ".join(releases) + " (the releases the plugin's hooks were read from)",
-                        "; or ".join(engine.install for engine in releases.values()))
+                        "; or ".join(fixes))
 
 
 def lookup(name: str, release: str | None = None) -> Engine:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
@@ -198,14 +198,27 @@ def _flag(cfg: Any, key: str, where: str, fallback: bool) -> bool:
     return value
 
 
-def _int_list(cfg: Any, key: str, where: str, allowed: tuple[int, ...], fix: str) -> list[int] | None:
+def _list_of(cfg: Any, key: str, where: str, item_ok: Callable[[Any], bool], supported: str, fix: str, *,
+             least: int = 0) -> list[Any] | None:
+    """A list field of ``least`` to :data:`MAX_LAYERS` items, each ``item_ok``; None when absent.
+
+    :raises ConfigError: another type, length or item (``supported`` says what is accepted).
+    """
     value = _get(cfg, key)
     if value is _ABSENT:
         return None
-    if (not isinstance(value, (list, tuple)) or not 0 < len(value) <= MAX_LAYERS
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v in allowed for v in value)):
-        raise _bad_value(where, key, value, f"a non-empty list (at most {MAX_LAYERS}) of ints from {list(allowed)}", fix)
+    if not isinstance(value, (list, tuple)) or not least <= len(value) <= MAX_LAYERS or not all(map(item_ok, value)):
+        raise _bad_value(where, key, value, supported, fix)
     return list(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(cfg: Any, key: str, where: str, allowed: tuple[int, ...], fix: str) -> list[int] | None:
+    return _list_of(cfg, key, where, lambda v: _is_int(v) and v in allowed,
+                    f"a non-empty list (at most {MAX_LAYERS}) of ints from {list(allowed)}", fix, least=1)
 
 
 def _dsv4_ratios(cfg: Any, where: str, version: str, layers: int, draft: int) -> list[int]:
@@ -296,14 +309,9 @@ def _dsa_config(cfg: Any, where: str) -> Any:
 
 def _layer_ids(cfg: Any, key: str, where: str, layers: int) -> set[int] | None:
     """A list of 1-based layer numbers (Kimi's ``dsa_layers``, ``kda_layers``), or None when absent."""
-    value = _get(cfg, key)
-    if value is _ABSENT:
-        return None
-    if (not isinstance(value, (list, tuple))
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= layers for v in value)):
-        raise _bad_value(where, key, value, f"a list of layer numbers from 1 to {layers} (num_hidden_layers)",
-                         f"set {key} to the model's own list")
-    return set(value)
+    ids = _list_of(cfg, key, where, lambda v: _is_int(v) and 1 <= v <= layers,
+                   f"a list of layer numbers from 1 to {layers} (num_hidden_layers)", f"set {key} to the model's own list")
+    return None if ids is None else set(ids)
 
 
 def _dense_mla_layers(cfg: Any, dsa_config: Any, where: str) -> int:
@@ -320,27 +328,16 @@ def _dense_mla_layers(cfg: Any, dsa_config: Any, where: str) -> int:
     return sum(1 for layer in range(1, layers + 1) if layer not in linear and layer not in sparse)
 
 
-def _layer_flags(cfg: Any, key: str, where: str) -> None:
-    """A per-layer true/false list (Mistral Large 4's ``nope_layer_flags``), checked for its type."""
-    value = _get(cfg, key)
-    if value is _ABSENT:
-        return
-    if (not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS
-            or not all(isinstance(v, bool) for v in value)):
-        raise _bad_value(where, key, value, f"a list (at most {MAX_LAYERS}) of true/false, one a layer",
-                         f"set {key} to the model's per-layer list, or remove it")
-
-
-def _index_sharing(cfg: Any, where: str) -> None:
-    """Mistral Large 4's ``index_sharing``: per layer, ``"full"`` (its own indexer) or another
-    value (an earlier indexer's top-k reused); checked for its type."""
-    value = _get(cfg, "index_sharing")
-    if value is _ABSENT:
-        return
-    if (not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS
-            or not all(isinstance(v, str) and v for v in value)):
-        raise _bad_value(where, "index_sharing", value, f'a list (at most {MAX_LAYERS}) of strings, one a layer ("full": '
-                         "the layer runs its own indexer)", "set index_sharing to the model's per-layer list, or remove it")
+def _per_layer_lists(cfg: Any, where: str) -> None:
+    """Mistral Large 4's per-layer lists, checked for their types: ``nope_layer_flags`` (true: a NoPE
+    layer) and ``index_sharing`` (``"full"``: the layer runs its own indexer; another value: it
+    reuses an earlier indexer's top-k)."""
+    _list_of(cfg, "nope_layer_flags", where, lambda v: isinstance(v, bool),
+             f"a list (at most {MAX_LAYERS}) of true/false, one a layer",
+             "set nope_layer_flags to the model's per-layer list, or remove it")
+    _list_of(cfg, "index_sharing", where, lambda v: isinstance(v, str) and bool(v),
+             f'a list (at most {MAX_LAYERS}) of strings, one a layer ("full": the layer runs its own indexer)',
+             "set index_sharing to the model's per-layer list, or remove it")
 
 
 def _flat_text_config(cfg: Any) -> Any:
@@ -375,8 +372,7 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
             topk = _count(dsa_config, "index_topk", MAX_INDEX_TOPK, f"{where}: dsa_config", profile, "index_topk")
         dense = _dense_mla_layers(cfg, dsa_config, where)
     _flag(cfg, "mla_use_nope", where, False)
-    _layer_flags(cfg, "nope_layer_flags", where)
-    _index_sharing(cfg, where)
+    _per_layer_lists(cfg, where)
     geometry = {key: _count(cfg, key, MAX_HEAD_WIDTH, where, profile, key, least) for key, least in GEOMETRY_KEYS.items()}
     # Absent with no profile: no pooling (1), the same as every DSA model before GLM-5.3-Flash.
     kpool = _count(cfg, "index_kpool", MAX_KPOOL, where, profile, "index_kpool") or 1

@@ -16,7 +16,7 @@ from typing import Mapping
 from . import config as config_mod
 from .context import EngineLimits
 from .errors import UnsupportedConfiguration, format_error
-from .engines import ENGINES
+from .engines import ENGINES, lookup
 from .families import dsa, dsv4
 from .hooks.manager import Registry, get_registry
 from .modelinfo import ModelFacts
@@ -58,6 +58,11 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     record: str | None = None
     release: str = ""
+
+    @property
+    def versioned(self) -> str:
+        """The engine and release planned for, as messages name them (``vLLM 0.34.0``)."""
+        return lookup(self.engine, self.release or None).versioned
 
     @property
     def decision(self) -> Decision:
@@ -118,15 +123,15 @@ def plan(
         raise UnsupportedConfiguration(format_error(
             f"model_arch={facts.arch} ({facts.name}) under {engine.versioned}",
             f"the architectures {engine.versioned} builds", engine.missing_architectures[facts.arch]))
-    if facts.dense_layers and engine.name == "vllm":
-        # vLLM's --attention-backend picks every attention layer's backend; the plugin's is sparse MLA
-        # only, so vLLM's selector refuses it for a dense MLA layer while it builds the model.
+    if facts.dense_layers and engine.opt_in_every_layer:
+        # The plugin's backend is sparse MLA only: the engine's selector refuses it for a dense MLA
+        # layer while it builds the model.
         raise UnsupportedConfiguration(format_error(
             f"{facts.name} ({facts.arch}) has {facts.dense_layers} dense MLA layer(s) (MLA layers outside "
             f"dsa_config.dsa_layers) under {engine.enable_flag}",
             "a model whose MLA layers are all sparse: the flag gives every attention layer the plugin's backend, "
-            "which serves sparse MLA only (vLLM refuses it for a dense layer when it builds the model)",
-            f"serve this model without {engine.enable_flag} (vLLM's own backends serve both kinds)"))
+            f"which serves sparse MLA only ({engine.label} refuses it for a dense layer when it builds the model)",
+            f"serve this model without {engine.enable_flag} ({engine.label}'s own backends serve both kinds)"))
     family = family_of(facts)
     shaped = PARTS[family].shape(facts, settings, device, kv_cache_dtype, limits,
                                  speculative_tokens=speculative_tokens, dspark=dspark)

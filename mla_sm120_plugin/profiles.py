@@ -1,6 +1,6 @@
 """The built-in model profiles: GLM-5 (GLM DSA), DeepSeek-V3.2, the rope-less GLM-5.3-Flash, HY V4
-(Hy4-preview: DSA with learned per-head sinks), Kimi K3.1 and Mistral Large 4 (vLLM 0.34) and the DeepSeek-V4 family (V4-Flash, V4-Pro,
-V4.1-Flash and their drafts).
+(Hy4-preview: DSA with learned per-head sinks), Kimi K3.1 and Mistral Large 4 (vLLM 0.34) and the
+DeepSeek-V4 family (V4-Flash, V4-Pro, V4.1-Flash and their drafts).
 
 Registered through the same hook (``mla_sm120_model_profiles``) as a third party's profiles.
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .engines import ENGINES, lookup
+from .engines import ENGINES
 from .families.dsv4 import kind_name
 from .hooks.manager import get_registry
 from .kernels.accuracy import EXACT_BAR
@@ -206,7 +206,7 @@ def _kinds_table(plan: Plan) -> list[str]:
     heads = plan.facts.num_heads // plan.tensor_parallel_size
     lines = [
         f"DeepSeek-V4 plan: {plan.facts.name} ({plan.facts.arch}, {geometry.version}) on {plan.device.describe()} "
-        f"({plan.device.source}), {lookup(plan.engine, plan.release or None).versioned}, tp={plan.tensor_parallel_size}: {heads} heads and "
+        f"({plan.device.source}), {plan.versioned}, tp={plan.tensor_parallel_size}: {heads} heads and "
         f"{geometry.o_groups // plan.tensor_parallel_size} output group(s) a GPU",
         f"kv cache: {_record_text(record)}; compressed caches cost "
         + ", ".join(f"{k} {v:.3g} B" for k, v in bytes_per_token(geometry, record).items())
@@ -281,5 +281,4 @@ def log_line(plan: Plan) -> str:
         f"{kind} x{d.context.dsv4.layers if d.context.dsv4 else '?'}: prefill={d.prefill} decode={d.decode}"
         for kind, d in plan.decisions.items())
     return (f"mla_sm120: DeepSeek-V4 plan for {plan.facts.name} ({plan.facts.arch}) on {plan.device.describe()}, "
-            f"{lookup(plan.engine, plan.release or None).versioned} tp={plan.tensor_parallel_size}, kv {_record(plan).name}: "
-            f"{kinds}")
+            f"{plan.versioned} tp={plan.tensor_parallel_size}, kv {_record(plan).name}: {kinds}")

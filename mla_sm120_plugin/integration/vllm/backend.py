@@ -227,9 +227,10 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
     def get_fp8_ds_mla_row_bytes(self) -> int:
         """Bytes of one cache row in the layout this layer's ``--kv-cache-dtype`` gives it under the
         installed vLLM: 656 (fp8_ds_mla), 528 (fp8_ds_mla for a rope-less model on 0.34; 0.33 keeps
-        656), 352 (nvfp4_ds_mla); a bf16 row's 1152 or 1024 (vLLM asks for fp8_ds_mla only). vLLM 0.34 sizes the fp8_ds_mla cache spec and the index group's rows
-        by it; vLLM's base answers 656 for every model. Called while the base constructor runs,
-        before the plan is bound, so it reads the layer's own geometry."""
+        656), 352 (nvfp4_ds_mla); a bf16 row's 1152 or 1024 (vLLM asks for fp8_ds_mla only). vLLM
+        0.34 sizes the fp8_ds_mla cache spec and the index group's rows by it; vLLM's base answers
+        656 for every model. Called while the base constructor runs, before the plan is bound, so it
+        reads the layer's own geometry."""
         return TOKEN_BYTES[lookup("vllm", release()).kv_layout(self.kv_cache_dtype, None, self.qk_rope_head_dim)]
 
     def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ INTERNALS: tuple[Internal, ...] = (
              "nothing: vLLM's config", _R,
              ("dsv4: .backend", "dsv4: .use_non_causal", "translate: .use_non_causal", "translate: .hisparse_config"),
              changed={_V34: "new sparse_mla_shard_q (default on): it applies to impls that set supports_shardq, which the "
-                                  "plugin's leaves False"}),
+                            "plugin's leaves False"}),
     Internal("vllm.config.parallel.ParallelConfig",
              "reads prefill and decode context-parallel sizes by name",
              "the kernels see whole requests: prefill CP refused for DeepSeek-V4, decode CP a refused feature",
@@ -88,8 +88,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("vllm.v1.attention.backends.mla.flashinfer_mla_sparse.FlashInferMLASparseMetadata",
               "backend: ._init_reorder_batch_threshold"),
              changed={_V34: "the reorder threshold reads max_decode_query_len (1 + k + the drafter's extra slots), "
-                                  "which the plan's decode bound now reads too; metadata gains shardq / topk_start (unused: "
-                                  "no ShardQ); still UNIFORM_BATCH"}),
+                            "which the plan's decode bound now reads too; metadata gains shardq / topk_start (unused: "
+                            "no ShardQ); still UNIFORM_BATCH"}),
     Internal("vllm.v1.attention.backend.max_decode_query_len",
              "calls it for the plan's decode bound (translate.engine_limits)",
              "the widest request vLLM's builders count as a decode (the reorder threshold reads it): the plan must "
@@ -104,9 +104,9 @@ INTERNALS: tuple[Internal, ...] = (
              "backend names and never fires for CUSTOM (fp8 / fp8_e4m3 are refused, naming fp8_ds_mla)",
              "a sparse-MLA impl API for plugin kernels", _R,
              changed={_V34: "MLAAttention sizes fp8_ds_mla rows by impl.get_fp8_ds_mla_row_bytes(), which the plugin's impl "
-                                  "answers per layout (656; 528 rope-less; 352 nvfp4); supports_shardq (False here); q may "
-                                  "come as one [N, H, 576] tensor (prepare_mqa_query); kv_sharing_target_layer_name is real "
-                                  "(Mistral Large 4)"}),
+                            "answers per layout (656; 528 rope-less; 352 nvfp4); supports_shardq (False here); q may "
+                            "come as one [N, H, 576] tensor (prepare_mqa_query); kv_sharing_target_layer_name is real "
+                            "(Mistral Large 4)"}),
     Internal("vllm.v1.attention.backends.mla.sparse_utils.flat_kv_row_view",
              "views vLLM's cache as flat rows (and align_blocks_to_rows keeps blocks whole 64-row pages apart), "
              "then as [rows / 64, 64, C] pages",
@@ -138,8 +138,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("dsv4: .DeepseekV4FlashInferSM120Attention", "dsv4: ._forward_decode", "dsv4: ._forward_prefill",
               "dsv4: super()._forward_decode", "dsv4: super()._forward_prefill"),
              changed={_V34: "helpers made public (get_flashinfer_dsv4_workspace, required_sm120_sparse_topk, ...); _o_proj "
-                                  "calls wo_a.grouped_forward with the same recipe; V4.1's compressed block is 64 on SM12x "
-                                  "(was 128) and its builders UNIFORM_BATCH (prefill not captured)"}),
+                            "calls wo_a.grouped_forward with the same recipe; V4.1's compressed block is 64 on SM12x "
+                            "(was 128) and its builders UNIFORM_BATCH (prefill not captured)"}),
     Internal(f"{_V4}.nvidia.flashinfer_sparse.flashinfer_trtllm_batch_decode_sparse_mla_dsv4",
              "replaces the module global with a router: the plugin's kernel while one is set, else vLLM's call",
              "the SM120 layer calls FlashInfer's DeepSeek-V4 kernel through it", "as above", _R,
@@ -164,7 +164,7 @@ INTERNALS: tuple[Internal, ...] = (
              "an NVFP4 DeepSeek-V4 cache in vLLM", _R,
              ("dsv4_nvfp4: .state_content_bytes", "dsv4_nvfp4: .alignment", "dsv4_nvfp4: .page_size_padded"),
              changed={_V34: "SlidingWindowMLASpec.merge asserts one kv_quant_mode and one alignment a group: every layer of "
-                                  "a group gets the NVFP4 record (the opt-in is per model)"}),
+                            "a group gets the NVFP4 record (the opt-in is per model)"}),
     Internal(f"{_V4}.attention.DeepseekV4Attention._fused_qnorm_rope_kv_insert",
              "overrides it for the NVFP4 record (q normed and roped as vLLM's op returns it, the KV row stored as "
              "the record); vLLM's own for fp8 and profile runs",

@@ -1,8 +1,9 @@
 """The names every room of the vLLM adapter shares (a leaf: it imports only :mod:`mla_sm120_plugin.envs`).
 
-The backend's class path (what ``register()`` records
-under ``AttentionBackendEnum.CUSTOM`` and what the DeepSeek-V4 wrapper compares against), the
-logger's name and the Ray variable that carries the plugin's settings. Pure Python. The vLLM releases the adapter serves are :data:`mla_sm120_plugin.engines.RELEASES`'.
+The backend's class path (what ``register()`` records under ``AttentionBackendEnum.CUSTOM`` and
+what the DeepSeek-V4 wrapper compares against), the logger's name and the Ray variable that carries
+the plugin's settings. Pure Python. The vLLM releases the adapter serves are
+:data:`mla_sm120_plugin.engines.RELEASES`.
 """
 
 from __future__ import annotations

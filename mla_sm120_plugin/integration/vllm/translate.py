@@ -15,7 +15,7 @@ from typing import Any
 from ... import device as device_mod
 from ...config import ADDITIONAL_CONFIG_KEY
 from ...context import EngineLimits, build_context, plugin_config
-from ...engines import installed_release, lookup
+from ...engines import installed_release, release_refusal
 from ...errors import UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...modelinfo import facts_from_hf_config
@@ -36,7 +36,11 @@ def release() -> str:
     :raises UnsupportedConfiguration: a release the plugin does not support (``register()`` logged
         the same words and registered nothing, so this is reached only by a forced path).
     """
-    return lookup("vllm", installed_release("vllm") or "").release
+    installed = installed_release("vllm")
+    refusal = release_refusal("vllm", installed)
+    if refusal is not None:
+        raise UnsupportedConfiguration(refusal)
+    return installed
 
 
 def engine_limits(vllm_config: Any) -> EngineLimits:
