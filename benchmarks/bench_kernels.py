@@ -45,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.traffic:
-        from mla_sm120_plugin.kernels.dsa import triton_plan
+        from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
-        print(triton_plan.format_report(args.traffic))
-        for name in triton_plan.KERNELS:
+        print(dsa_plan.format_report(args.traffic))
+        for name in dsa_plan.KERNELS:
             print()
-            print(triton_plan.format_table(name, args.traffic))
+            print(dsa_plan.format_table(name, args.traffic))
         return 0
 
     import torch

@@ -110,7 +110,7 @@ def _check(args: argparse.Namespace) -> int:
         release=release,
     )
     planned = plan(facts, cfg.for_model(facts.name, facts.arch), _check_device(args.sm),
-                   check_kv_cache_dtype(facts, args.engine, args.kv_cache_dtype), limits,
+                   check_kv_cache_dtype(facts, limits.facts, args.kv_cache_dtype), limits,
                    speculative_tokens=args.num_speculative_tokens, dspark=args.dspark, registry=reg)
     planned = dataclasses.replace(planned, notes=(*planned.notes, f"planned for {limits.facts.versioned} ({why})"))
     _emit(_json(to_dict(planned)) if args.json else explain(planned))
@@ -155,25 +155,31 @@ SLOW_IMPORT_S = 0.5
 
 
 def _hook_faults(reg: Any) -> list[str]:
-    """Run every plugin's validate/select hooks once per model profile (planned SM120, fp8)."""
+    """Plan every model profile once (planned SM120, the newest vLLM, TP 1, the cache ``check`` plans),
+    so that every plugin's validate/select hooks run on each layer kind's context as its family shapes
+    it (a DeepSeek-V4 profile: one context a layer kind), and report each fault a hook raises once (a
+    hook that fails the same way on every context is one fault: its first line names plugin, hook and
+    what it did)."""
+    from .config import Settings
+    from .context import EngineLimits
     from .device import parse_device
+    from .engines import RELEASES
     from .errors import PluginError, UnsupportedConfiguration
-    from .kernels.dsa.layout import FP8_DS_MLA
-    from .selection import select
-    from .types import SelectionContext
+    from .modelinfo import resolve_model
+    from .plan import check_kv_cache_dtype, plan
 
-    faults = []
+    limits = EngineLimits(engine="vllm", release=tuple(RELEASES["vllm"])[-1], cuda_graphs=True)
+    device = parse_device("12.0", source="doctor")
+    faults: dict[str, str] = {}
     for profile in reg.profiles.values():
-        ctx = SelectionContext(model_arch=profile.architectures[0], kv_cache_dtype=FP8_DS_MLA,
-                               num_heads=profile.num_heads, index_topk=profile.index_topk,
-                               device=parse_device("12.0", source="doctor"), cuda_graphs=True)
         try:
-            select(ctx, registry=reg)
+            facts = resolve_model(profile.name, registry=reg)
+            plan(facts, Settings(), device, check_kv_cache_dtype(facts, limits.facts, None), limits, registry=reg)
         except PluginError as exc:
-            faults.append(str(exc))
+            faults.setdefault(str(exc).partition("\n")[0], str(exc))
         except UnsupportedConfiguration:
             pass  # a refusal is an answer, not a fault
-    return list(dict.fromkeys(faults))
+    return list(faults.values())
 
 
 def doctor_report() -> dict[str, Any]:
@@ -325,14 +331,14 @@ def _bench(args: argparse.Namespace) -> int:
                                             "--dsv4 with --device, --output, --json",
                                             "time DeepSeek-V4 alone, or drop --dsv4 (`--traffic` prints its plans)"))
     if args.traffic:
-        from .kernels.dsa import triton_plan
+        from .kernels.dsa import plan as dsa_plan
         from .kernels.dsv4 import plan as dsv4_plan
 
         if args.json:
-            _emit(_json({**triton_plan.json_report(args.traffic), "dsv4": dsv4_plan.json_report(args.traffic)}))
+            _emit(_json({**dsa_plan.json_report(args.traffic), "dsv4": dsv4_plan.json_report(args.traffic)}))
             return EXIT_OK
-        _emit("\n\n".join([triton_plan.format_report(args.traffic),
-                            *(triton_plan.format_table(kernel, args.traffic) for kernel in triton_plan.KERNELS),
+        _emit("\n\n".join([dsa_plan.format_report(args.traffic),
+                            *(dsa_plan.format_table(kernel, args.traffic) for kernel in dsa_plan.KERNELS),
                             dsv4_plan.format_report(args.traffic)]))
         return EXIT_OK
     if args.compile_only:

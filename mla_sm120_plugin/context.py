@@ -16,10 +16,11 @@ from typing import Any, Iterable, Mapping
 
 from . import config as config_mod
 from . import engines as engines_mod
-from .errors import ConfigError, format_error
+from . import families
+from .errors import ConfigError, MlaSm120Error, format_error
 from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
-from .types import AUTO, DeviceInfo, Dsv4Call, SelectionContext
+from .types import AUTO, DeviceInfo, SelectionContext
 
 
 def kv_layout(engine_kv_cache_dtype: str | None, engine: str = "vllm", sm_family: int | None = None,
@@ -123,6 +124,8 @@ def build_context(
         tensor_parallel_size=limits.tensor_parallel_size,
         features=limits.features,
         sinks=facts.sinks,
+        family=facts.family,
+        release=limits.release,
     )
 
 
@@ -173,10 +176,9 @@ def context_from_json(text: str) -> SelectionContext:
         fields = json.loads(text)
         fields["device"] = DeviceInfo(**fields["device"])
         fields["features"] = frozenset(fields["features"])
-        if fields.get("dsv4") is not None:
-            fields["dsv4"] = Dsv4Call(**fields["dsv4"])
+        fields["call"] = families.get(fields["family"]).call_from_json(fields.get("call"))
         return SelectionContext(**fields)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, MlaSm120Error) as exc:
         raise ConfigError(format_error(f"a serialized selection context that does not parse ({type(exc).__name__}: "
                                        f"{exc})", "what context_to_json wrote, from this plugin version",
                                        "restart the engine so its launcher decides again")) from None

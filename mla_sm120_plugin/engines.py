@@ -20,7 +20,7 @@ from .errors import UnsupportedConfiguration, format_error
 from .kernels.dsa.layout import (BF16, BF16_NOPE, FP8_DS_MLA, FP8_DS_MLA_NOPE, FP8_NOPE, NVFP4_DS_MLA, ROPE_DIM,
                                  SCALE_ARBITRARY)
 from .kernels.dsv4.layout import NVFP4_DSV4
-from .types import DECODE, PREFILL
+from .types import DECODE, PREFILL, SelectionContext
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ class Dsv4Calls:
     :param decode_pad_default: decode q is padded to this unless the rank's count is listed (SGLang).
     :param own_path: SM family -> the engine's own DeepSeek-V4 attention there.
     :param opt_in: what switching the plugin on does for DeepSeek-V4 in this engine today.
+    :param full_row_pow2: a C128A row (every compressed entry of the context) is widened to a power of two
+        (vLLM) before :attr:`full_row_align` rounds it.
+    :param full_row_align: a C128A row's width is a multiple of this (vLLM 128, SGLang 64).
+    :param dspark_widens_window: a DSpark draft's decode window rows carry the draft tokens too, rounded up
+        to 64 (vLLM's ``get_dspark_swa_index_width``).
     """
 
     kv_spellings: tuple[str, ...]
@@ -56,6 +61,9 @@ class Dsv4Calls:
     opt_in: str
     decode_pad_default: int | None = None
     nvfp4_spellings: tuple[str, ...] = ()
+    full_row_pow2: bool = False
+    full_row_align: int = 64
+    dspark_widens_window: bool = False
 
     def padded(self, heads: int, phase: str) -> int:
         """The q heads a ``phase`` call carries for ``heads`` heads a rank."""
@@ -109,6 +117,11 @@ class Engine:
         instead (a refusal's fix).
     :param opt_in_every_layer: the opt-in gives every attention layer the plugin's backend (vLLM's
         ``--attention-backend``), so a dense MLA layer cannot be left to the engine's own backends.
+    :param plain_fp8: what a plain ``fp8*`` ``--kv-cache-dtype`` means to this engine when it is not the
+        DSA layout (``{kv}``: the value given), for the refusal's fix; empty: nothing to add.
+    :param kernel_flags_by_family: model family -> (how its flags are named in messages, (plugin setting,
+        the engine's argument naming a kernel for it) pairs): the engine's own flags that force a kernel per
+        phase; a family absent here has none.
     """
 
     name: str
@@ -138,6 +151,8 @@ class Engine:
     install: str = ""
     missing_architectures: Mapping[str, str] = field(default_factory=dict)
     opt_in_every_layer: bool = False
+    plain_fp8: str = ""
+    kernel_flags_by_family: Mapping[str, tuple[str, tuple[tuple[str, str], ...]]] = field(default_factory=dict)
 
     @property
     def versioned(self) -> str:
@@ -212,6 +227,10 @@ VLLM = Engine(
         compressed_page_tokens={"v4": 256, "v4.1": 128},  # the backends' kernel block sizes
         decode_heads=(8, 16, 32, 64, 128),  # _pad_to_supported_q_heads, both phases
         prefill_heads=(8, 16, 32, 64, 128),
+        # C128A rows: a power of two >= max_seq_len // 128, a multiple of 128
+        full_row_pow2=True,
+        full_row_align=128,
+        dspark_widens_window=True,
         own_path={9: "FLASHMLA_SPARSE_DSV4 (FlashMLA)", 10: "FLASHMLA_SPARSE_DSV4 or FLASHINFER_MLA_SPARSE_DSV4",
                   12: "DeepseekV4FlashInferSM120Attention (FlashInfer's SM120 DeepSeek-V4 kernels, JIT-built)"},
         opt_in=("vLLM: --attention-backend CUSTOM makes every DeepSeek-V4 layer the plugin's subclass of vLLM's SM120 "
@@ -249,6 +268,9 @@ VLLM = Engine(
     dist="vllm",
     install='pip install "mla-sm120-plugin[vllm]" (vLLM 0.33.0)',
     opt_in_every_layer=True,
+    # vLLM canonicalises fp8 -> fp8_ds_mla only for its own backends, by name.
+    plain_fp8=("plain {kv} is not rewritten for a plugin backend (SGLang's fp8_e4m3 is that layout: plan for SGLang "
+               "with mla-sm120 check --engine sglang)"),
     missing_architectures={arch: _VLLM_034_MODELS for arch in _NEW_IN_VLLM_034},
 )
 
@@ -291,6 +313,7 @@ SGLANG = Engine(
         decode_heads=(8, 16, 32, 64, 128),  # the counts FlashInfer 0.7.2 lists; else padded to 64
         prefill_heads=(),  # prefill drops the pad: the rank's own heads
         decode_pad_default=64,
+        full_row_align=64,  # SGLang pads index rows to multiples of 64
         own_path={9: "--attention-backend dsv4 (FlashMLA)", 10: "--attention-backend dsv4 (FlashMLA / TRT-LLM)",
                   12: "flash_mla_with_kvcache_sm120 (FlashInfer's SM120 kernels, SGLANG_SM120_FLASHMLA_BACKEND)"},
         opt_in=("SGLang: --mla-sm120 plans and refuses at launch (after SGLang forces --attention-backend dsv4 and "
@@ -326,6 +349,10 @@ SGLANG = Engine(
     sink_note=("SGLang 0.5.23 serves learnable sinks only with flashmla_sparse (SM90a / SM100f) and a bfloat16 "
                "cache, so on SM12x its own path has no kernel for this model; with --mla-sm120 every forward's "
                "attn_sink goes to the plugin's kernel for its phase"),
+    # --dsa-prefill-backend / --dsa-decode-backend name DSA's impls (the plugin's kernel names are SGLang's:
+    # flashinfer_sparse_mla, triton_sparse_mla); SGLang's DeepSeek-V4 path reads none.
+    kernel_flags_by_family={"dsa": ("--dsa-*-backend", (("prefill_kernel", "dsa_prefill_backend"),
+                                                        ("decode_kernel", "dsa_decode_backend")))},
     release="0.5.23",
     dist="sglang",
     install='pip install "mla-sm120-plugin[sglang]" (SGLang 0.5.23)',
@@ -377,3 +404,14 @@ def lookup(name: str, release: str | None = None) -> Engine:
     if refusal is not None:
         raise UnsupportedConfiguration(refusal)
     return RELEASES[name][release]
+
+
+def for_context(ctx: SelectionContext) -> Engine:
+    """The facts of the engine and release a selection context was built for (the one door the decision
+    and report code read them through)."""
+    return lookup(ctx.engine, ctx.release)
+
+
+def others(engine: Engine) -> tuple[Engine, ...]:
+    """Every other engine, at its oldest supported release (their shared vocabulary: spellings, flags)."""
+    return tuple(other for other in ENGINES.values() if other.name != engine.name)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 from . import files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
 from .hooks.manager import Registry
-from .types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
+from .families.dsv4 import NAME as DSV4_FAMILY
+from .types import DEFAULT_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
 
 # Bounds on what a config may claim; above them the value is a typo or a corrupted file, not a model.
 # The largest MLA models have 128 heads (DeepSeek-V3/V3.2; GLM-5 has 64): 1024 leaves 8x headroom.
@@ -105,7 +106,9 @@ class ModelFacts:
     :param sinks: the attention carries a learned sink logit per head (the config's
         ``learnable_sink``; absent: the profile's).
     :param dense_layers: MLA layers the model builds dense, without an indexer (Kimi K3.1's MLA
-        layers outside ``dsa_config.dsa_layers``); 0 when none, or when the config does not list them."""
+        layers outside ``dsa_config.dsa_layers``); 0 when none, or when the config does not list them.
+    :param family: the model family (the matched profile's; :data:`~mla_sm120_plugin.types.DEFAULT_FAMILY`
+        without one), a key of :data:`mla_sm120_plugin.families.FAMILIES`."""
 
     arch: str
     name: str
@@ -119,6 +122,7 @@ class ModelFacts:
     dsv4: Dsv4Geometry | None = None
     sinks: bool = False
     dense_layers: int = 0
+    family: str = DEFAULT_FAMILY
 
     def heads_per_rank(self, tp: int) -> int:
         """Heads on one GPU at tensor-parallel size ``tp``.
@@ -387,7 +391,8 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
         v41 = arch in DSV41_ARCHS or _get(cfg, "model_type") == DSV41_MODEL_TYPE
         dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
     return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, sinks=sinks,
-                      dense_layers=dense, **geometry)
+                      dense_layers=dense, family=profile.family if profile is not None else DEFAULT_FAMILY,
+                      **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:
@@ -425,4 +430,4 @@ def resolve_model(spec: str, *, registry: Registry) -> ModelFacts:
         return facts_from_hf_config(dict(cfg), name=spec, registry=registry, source=f"the built-in config of {spec}")
     return ModelFacts(arch=profile.architectures[0], name=spec, num_heads=profile.num_heads, index_topk=profile.index_topk,
                       kv_lora_rank=profile.kv_lora_rank, qk_rope_head_dim=profile.qk_rope_head_dim,
-                      index_kpool=profile.index_kpool, sinks=profile.sinks)
+                      index_kpool=profile.index_kpool, sinks=profile.sinks, family=profile.family)

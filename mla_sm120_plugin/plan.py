@@ -14,22 +14,14 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from . import config as config_mod
-from .context import EngineLimits
+from . import families
+from .context import EngineLimits, build_context
 from .errors import UnsupportedConfiguration, format_error
-from .engines import ENGINES, lookup
-from .families import dsa, dsv4
+from .engines import Engine, lookup
 from .hooks.manager import Registry, get_registry
 from .modelinfo import ModelFacts
 from .selection import select
-from .types import DSA_FAMILY, DSV4_FAMILY, PHASES, Decision, DeviceInfo
-
-# Each family's part of the plan: how its calls are shaped into contexts.
-PARTS = {DSA_FAMILY: dsa, DSV4_FAMILY: dsv4}
-
-
-def family_of(facts: ModelFacts) -> str:
-    """The model family of ``facts``: DeepSeek-V4 where the reader found its layer geometry, else DSA."""
-    return DSV4_FAMILY if facts.dsv4 is not None else DSA_FAMILY
+from .types import PHASES, Decision, DeviceInfo
 
 
 @dataclass(frozen=True)
@@ -40,12 +32,11 @@ class Plan:
     :param engine: the engine key.
     :param device: the device planned for.
     :param tensor_parallel_size: ranks the heads are split over.
-    :param family: the model family (``"dsa"``, ``"dsv4"``).
+    :param family: the model family (a key of :data:`mla_sm120_plugin.families.FAMILIES`).
     :param decisions: layer kind -> the :class:`~mla_sm120_plugin.types.Decision` for its call (a DSA
-        model: one kind, :data:`mla_sm120_plugin.families.dsa.KIND`).
+        model: one kind, ``"dsa"``; DeepSeek-V4: one a layer kind).
+    :param kv_cache: the cache layout (or record) every layer kind reads.
     :param notes: what is worth a line beside the table (the decisions' own notes, then the family's).
-    :param record: the cache record every layer reads (a DeepSeek-V4 record name), or None (each
-        decision's context names its layout).
     :param release: the engine release planned for.
     """
 
@@ -55,8 +46,8 @@ class Plan:
     tensor_parallel_size: int
     family: str
     decisions: Mapping[str, Decision]
+    kv_cache: str
     notes: tuple[str, ...] = field(default=())
-    record: str | None = None
     release: str = ""
 
     @property
@@ -79,16 +70,19 @@ class Plan:
         return {(kind, phase): d.kernels[phase] for kind, d in self.decisions.items() for phase in PHASES}
 
 
-def check_kv_cache_dtype(facts: ModelFacts, engine: str, given: str | None) -> str | None:
+def check_kv_cache_dtype(facts: ModelFacts, engine: Engine, given: str | None) -> str | None:
     """The ``--kv-cache-dtype`` ``mla-sm120 check`` plans: ``given``, else the fp8 cache a deployment on
     SM12x uses for this model's family (a DSA model: the engine's fp8 DSA layout; DeepSeek-V4: auto),
-    or for a model with learned sinks the one layout the engine accepts for it, where it has one."""
+    or for a model with learned sinks the one layout the engine accepts for it, where it has one.
+
+    :param engine: the engine's facts at the planned release.
+    """
     if given:
         return given
-    sink_layout = ENGINES[engine].sink_layout if facts.sinks else None
+    sink_layout = engine.sink_layout if facts.sinks else None
     if sink_layout is not None:
-        return ENGINES[engine].spelling(sink_layout)
-    return PARTS[family_of(facts)].check_kv_cache_dtype(engine)
+        return engine.spelling(sink_layout)
+    return families.of(facts).check_kv_cache_dtype(engine)
 
 
 def plan(
@@ -132,24 +126,25 @@ def plan(
             "a model whose MLA layers are all sparse: the flag gives every attention layer the plugin's backend, "
             f"which serves sparse MLA only ({engine.label} refuses it for a dense layer when it builds the model)",
             f"serve this model without {engine.enable_flag} ({engine.label}'s own backends serve both kinds)"))
-    family = family_of(facts)
-    shaped = PARTS[family].shape(facts, settings, device, kv_cache_dtype, limits,
-                                 speculative_tokens=speculative_tokens, dspark=dspark)
+    family = families.of(facts)
+    base = build_context(facts, settings, device, kv_cache_dtype, limits)
+    shaped = family.shape(base, facts, kv_cache_dtype, limits, speculative_tokens=speculative_tokens, dspark=dspark)
     decisions: dict[str, Decision] = {}
     problems: dict[str, list[str]] = {}
     for kind, ctx in shaped.contexts.items():
         try:
             decisions[kind] = select(ctx, registry=reg)
         except UnsupportedConfiguration as error:
-            if ctx.dsv4 is None:
+            if len(shaped.contexts) == 1:
                 raise  # one call shape: its refusal as the matrix wrote it
-            layers = ctx.dsv4.layers
             text = str(error).replace(f", layer kind {kind}", "", 1)
-            problems.setdefault(text, []).append(f"{kind} ({layers} layer{'s' if layers != 1 else ''})")
+            layers = family.layers(ctx)
+            counted = "" if layers is None else f" ({layers} layer{'s' if layers != 1 else ''})"
+            problems.setdefault(text, []).append(f"{kind}{counted}")
     if problems:
         raise UnsupportedConfiguration("\n".join(f"layer kinds {', '.join(kinds)}:\n{text}"
                                                  for text, kinds in problems.items()))
     notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes)
     return Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
-                family=family, decisions=decisions, notes=tuple(dict.fromkeys(notes)), record=shaped.record,
+                family=family.name, decisions=decisions, kv_cache=shaped.kv_cache, notes=tuple(dict.fromkeys(notes)),
                 release=engine.release)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from .kernels.dsa.layout import SCALE_ARBITRARY, SCALE_POW2
-from .types import DSV4_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
+from .families.dsv4 import NAME as DSV4_FAMILY
+from .types import LAYER_COUNTS_UNKNOWN, ModelProfile
 from .hooks.specs import hookimpl
 
 GLM_DSA = ModelProfile(

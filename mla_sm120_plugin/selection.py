@@ -12,7 +12,9 @@ kinds with it; :mod:`mla_sm120_plugin.report` renders the outcome.
 from __future__ import annotations
 
 import dataclasses
-from .engines import ENGINES
+
+from . import families
+from .engines import for_context
 from .errors import UnsupportedConfiguration, format_error
 from .hooks.manager import Registry, get_registry
 from .kernels.accuracy import EXACT_BAR
@@ -20,8 +22,6 @@ from .kernels.dsa.layout import LAYOUTS, SCALE_FORMATS
 from .types import (
     AUTO,
     DECODE,
-    DSA_FAMILY,
-    DSV4_FAMILY,
     EXACT,
     ENGINE_NATIVE_IMPLS,
     PHASES,
@@ -91,7 +91,7 @@ def envelope_reasons(
         reasons.append("applies no attention sink: the model's learned per-head sinks would be dropped")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:
         reasons.append(f"not CUDA-graph safe and decode is captured in CUDA graphs "
-                       f"({ENGINES[ctx.engine].eager_flag} allows it)")
+                       f"({for_context(ctx).eager_flag} allows it)")
     if spec.envelope is not None and not reasons:
         try:
             reasons.extend(str(r) for r in spec.envelope(ctx, phase, profile))
@@ -101,8 +101,9 @@ def envelope_reasons(
 
 
 def _same_family(spec: KernelSpec, ctx: SelectionContext) -> bool:
-    """``spec`` reads a cache of ``ctx``'s model family (DeepSeek-V4's records or the DSA layouts)."""
-    return spec.family == (DSV4_FAMILY if ctx.dsv4 is not None else DSA_FAMILY)
+    """``spec`` reads a cache of ``ctx``'s model family (one of the family's layouts)."""
+    family = families.of_kernel(spec)
+    return family is not None and family.name == ctx.family
 
 
 def _candidates(
@@ -161,24 +162,28 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     """
     reg = registry if registry is not None else get_registry()
     profile = reg.by_arch.get(ctx.model_arch)
+    engine = for_context(ctx)
     if profile is None:
         archs = sorted(reg.by_arch)
         raise UnsupportedConfiguration(
             format_error(
-                f"{ctx.describe()}: {ctx.model_arch} is not a DeepSeek-Sparse-Attention model this plugin serves",
+                f"{ctx.describe()}: {ctx.model_arch} is not a sparse-MLA model this plugin serves (no model profile "
+                "names the architecture)",
                 f"model_arch in {archs}",
-                f"serve this model without {ENGINES[ctx.engine].enable_flag}, or install a plugin with a profile for it",
+                f"serve this model without {engine.enable_flag}, or install a plugin with a profile for it",
             )
         )
-    if (profile.family == DSV4_FAMILY) != (ctx.dsv4 is not None):
+    family = families.FAMILIES.get(profile.family)
+    if profile.family != ctx.family or family is None or (ctx.call is not None) != family.has_call:
         raise UnsupportedConfiguration(
             format_error(
-                f"{ctx.describe()}: {ctx.model_arch} is a {profile.family} model (profile {profile.name}), decided "
-                f"{'per layer kind' if ctx.dsv4 is None else 'as one latent cache'}",
-                "DeepSeek-V4 models with one context per layer kind (mla_sm120_plugin.plan), DSA models "
-                "with no layer kind",
+                f"{ctx.describe()}: {ctx.model_arch} is a {family.label if family else profile.family} model "
+                f"(profile {profile.name}, family {profile.family}), decided as a context of family {ctx.family!r} "
+                f"{'with' if ctx.call is not None else 'without'} a layer kind's call",
+                "a context of the model's own family, as the family shapes it (mla_sm120_plugin.plan: one context "
+                "a layer kind, carrying the family's call where the family has one)",
                 "plan models with mla-sm120 check (or mla_sm120_plugin.plan.plan); a third-party plugin that builds "
-                "contexts itself must set SelectionContext.dsv4 exactly for them",
+                "contexts itself must set SelectionContext.family (and the family's call) as the plan does",
             )
         )
     refusals = reg.validate(ctx, profile)
@@ -240,7 +245,7 @@ def select(ctx: SelectionContext, *, registry: Registry | None = None) -> Decisi
     if ctx.sinks:
         notes.append(f"sinks: the model's learned per-head attention sinks are applied by {chosen[DECODE]} (decode) "
                      f"and {chosen[PREFILL]} (prefill), in the softmax denominator (out x 1 / (1 + exp(sink - lse))); "
-                     f"{ENGINES[ctx.engine].sink_note}")
+                     f"{engine.sink_note}")
     for spec in reg.kernels.values():
         if spec.envelope_note is not None and ctx.kv_cache_dtype in spec.kv_cache_dtypes:
             try:
@@ -275,7 +280,8 @@ def _refusal_message(ctx: SelectionContext, refusals: list[tuple[str, Refusal]])
 def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
     parts = []
     for spec in sorted(reg.kernels.values(), key=lambda s: -s.priority):
-        if spec.family != profile.family:
+        family = families.of_kernel(spec)
+        if family is None or family.name != profile.family:
             continue
         dev = "/".join(sorted(spec.vendors))
         if spec.sm_families is not None:
@@ -286,7 +292,7 @@ def _supported_summary(reg: Registry, profile: ModelProfile) -> str:
 
 def _fix_for(ctx: SelectionContext, reasons: list[str]) -> str:
     """The fixes that apply to this refusal only, most direct first."""
-    engine = ENGINES[ctx.engine]
+    engine = for_context(ctx)
     fixes = []
     if ctx.prefill_kernel != AUTO or ctx.decode_kernel != AUTO:
         fixes.append(f"remove the kernel override ({ctx.forced_by}) or set it to one listed as able to run")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
 from .kernels.accuracy import EXACT_BAR, AccuracyBound
@@ -48,11 +48,9 @@ ENGINE_NATIVE_IMPLS = (
 
 VENDORS = ("nvidia", "amd", "cpu")
 
-# Model families: DSA (one latent cache; the kernels of kernels/dsa) and DeepSeek-V4 (two caches and
-# sinks a layer; kernels/dsv4).
-DSA_FAMILY = "dsa"
-DSV4_FAMILY = "dsv4"
-MODEL_FAMILIES = (DSA_FAMILY, DSV4_FAMILY)
+# The model family a profile or a context names when it names none: DSA, the one-latent-cache family
+# every third-party profile before DeepSeek-V4 meant (mla_sm120_plugin.families holds the table).
+DEFAULT_FAMILY = "dsa"
 # A key no config.json has: a built-in model config (ModelProfile.model_configs) that lists each
 # layer kind once because the model's per-layer list is in its own config.json only.
 LAYER_COUNTS_UNKNOWN = "_mla_sm120_layer_counts_unknown"
@@ -166,9 +164,10 @@ class ModelProfile:
         picks to token slots plus a tail, so the ids a kernel gets are wider than ``index_topk``.
     :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
     :param aliases: other names the CLI accepts (HF repo ids).
-    :param family: ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash)
-        or ``"dsv4"`` (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks;
-        planned per layer kind by :mod:`mla_sm120_plugin.families.dsv4`).
+    :param family: the model family's name, a key of :data:`mla_sm120_plugin.families.FAMILIES`:
+        ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash) or ``"dsv4"``
+        (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks); the plugin
+        manager refuses a name no family has.
     :param sinks: the model's attention carries a learned sink logit per head (HY V4's
         ``learnable_sink``): only a kernel that applies sinks (:attr:`KernelSpec.sinks`) serves it.
     :param model_configs: named model configs (``"deepseek-v4-pro"`` -> the config.json keys that
@@ -187,15 +186,12 @@ class ModelProfile:
     qk_rope_head_dim: int = 64
     aliases: tuple[str, ...] = ()
     index_kpool: int = 1
-    family: str = DSA_FAMILY
+    family: str = DEFAULT_FAMILY
     model_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict, compare=False)
     sinks: bool = False
 
     def __post_init__(self) -> None:
         owner = f"ModelProfile({self.name!r})"
-        if self.family not in MODEL_FAMILIES:
-            raise PluginError(format_error(f"{owner}.family={self.family!r}", f"one of {list(MODEL_FAMILIES)}",
-                                           "say 'dsa' for a one-cache sparse-MLA model, 'dsv4' for DeepSeek-V4"))
         bad = (["<not a mapping>"] if not isinstance(self.model_configs, Mapping) else
                [repr(k) for k, v in self.model_configs.items()
                 if not (isinstance(k, str) and _CONFIG_NAME_RE.match(k) and isinstance(v, Mapping))])
@@ -301,11 +297,6 @@ class KernelSpec:
     accuracy: AccuracyBound | None = None
     sinks: bool = False
 
-    @property
-    def family(self) -> str:
-        """The model family the kernel serves: ``"dsv4"`` when it reads a DeepSeek-V4 record, else ``"dsa"``."""
-        return DSV4_FAMILY if self.kv_cache_dtypes & frozenset(DSV4_RECORDS) else DSA_FAMILY
-
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -360,56 +351,6 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
-class Dsv4Call:
-    """One DeepSeek-V4 layer kind's attention call as the engine makes it: a window cache and, for a
-    compressed layer, a compressed cache, in one call (each with its own slots, lengths and pages).
-
-    :param kind: ``"window"`` (the sliding window only) or ``"c<ratio>a"`` (the window and the
-        compressed cache: ``c4a`` with the indexer's top-k, ``c128a`` with every entry; V4.1's
-        ``c1a`` / ``c2a``).
-    :param compress_ratio: tokens a compressed entry stands for (0: no compressed cache).
-    :param layers: how many of the model's layers (drafts' included) are of this kind.
-    :param window: window slots a decode query row holds (the window, or DSpark's wider one).
-    :param prefill_window: window slots a prefill row holds (the vision variant's are wider).
-    :param window_page: entries a window-cache page holds.
-    :param extra: compressed slots a query row holds (0 without a compressed cache).
-    :param extra_page: entries a compressed-cache page holds (0 without one).
-    :param decode_heads: q heads a decode call carries (the engine pads the rank's heads).
-    :param prefill_heads: q heads a prefill call carries.
-    :param call_window_page: entries a window-cache page holds as the engine's call passes it (0: the
-        same as ``window_page``, which is what FlashInfer's kernels see).
-    """
-
-    kind: str
-    compress_ratio: int
-    layers: int
-    window: int
-    prefill_window: int
-    window_page: int
-    extra: int
-    extra_page: int
-    decode_heads: int
-    prefill_heads: int
-    call_window_page: int = 0
-
-    def heads_for(self, phase: str) -> int:
-        return self.prefill_heads if phase == PREFILL else self.decode_heads
-
-    def window_for(self, phase: str) -> int:
-        return self.prefill_window if phase == PREFILL else self.window
-
-    @property
-    def pages_at_call(self) -> tuple[int, int]:
-        """(window, compressed) entries a page holds as the engine's call passes the caches."""
-        return self.call_window_page or self.window_page, self.extra_page
-
-    def describe(self, phase: str) -> str:
-        extra = f", compressed {self.extra} slots (pages of {self.extra_page})" if self.extra else ""
-        return (f"{self.kind} {phase}: {self.heads_for(phase)} q heads, window {self.window_for(phase)} slots "
-                f"(pages of {self.window_page}){extra}")
-
-
-@dataclass(frozen=True)
 class SelectionContext:
     """Everything the constraint matrix decides on, for one model on one device.
 
@@ -439,9 +380,14 @@ class SelectionContext:
     :param qk_rope_head_dim: the model's RoPE width (its config's ``qk_rope_head_dim``).
     :param precision: ``"fast"`` (every kernel may serve, fp8 MMAs included) or ``"exact"`` (only
         kernels that keep bf16/fp32 operands).
-    :param dsv4: for a DeepSeek-V4 model, the layer kind's call decided for (one context per layer
-        kind; :mod:`mla_sm120_plugin.families.dsv4`); None for a DSA model.
     :param sinks: the model's attention carries a learned sink logit per head (HY V4).
+    :param family: the model family decided for (a key of :data:`mla_sm120_plugin.families.FAMILIES`):
+        which kernels are candidates and which rules apply.
+    :param call: the layer kind's call as the family shapes it (DeepSeek-V4:
+        :class:`mla_sm120_plugin.families.dsv4.Dsv4Call`, one context per layer kind); None for a family
+        with one call shape (DSA).
+    :param release: the engine's release (a key of :data:`mla_sm120_plugin.engines.RELEASES` under
+        ``engine``); None: its oldest supported one.
     """
 
     model_arch: str
@@ -464,8 +410,10 @@ class SelectionContext:
     kv_lora_rank: int = KV_LORA_RANK
     qk_rope_head_dim: int = ROPE_DIM
     precision: str = FAST
-    dsv4: Dsv4Call | None = None
     sinks: bool = False
+    family: str = DEFAULT_FAMILY
+    call: Any = None
+    release: str | None = None
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
@@ -477,7 +425,7 @@ class SelectionContext:
         """The combination, as every selection error names it (the KV dtype as the user spelled it)."""
         given = self.kv_cache_dtype_given
         kv = self.kv_cache_dtype if given in (None, self.kv_cache_dtype) else f"{given} ({self.kv_cache_dtype} layout)"
-        layer = f", layer kind {self.dsv4.kind}" if self.dsv4 is not None else ""
+        layer = "" if self.call is None else f", layer kind {self.call.kind}"
         return (
             f"model_arch={self.model_arch}{layer}, sm={self.device.sm}, kv_cache_dtype={kv}, "
             f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size}), index_topk={self.index_topk}, "

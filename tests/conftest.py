@@ -42,6 +42,8 @@ def _fresh_registry():
         clear_probe_cache()
         if "mla_sm120_plugin.dispatch.selfcheck" in sys.modules:  # it imports torch: only when used
             sys.modules["mla_sm120_plugin.dispatch.selfcheck"].clear_cache()
+        if "mla_sm120_plugin.dispatch.bound" in sys.modules:  # what the engine bindings bound
+            sys.modules["mla_sm120_plugin.dispatch.bound"].clear()
 
     clear()
     yield

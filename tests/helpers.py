@@ -24,6 +24,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def decision_of(report: dict, kind: str = "dsa") -> dict:
+    """A layer kind's decision in a ``check --json`` report (one schema for every family: a DSA model
+    is one kind, ``"dsa"``)."""
+    return report["layer_kinds"][kind]["decision"]
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``mla-sm120`` in a subprocess, as a user would, from :func:`clean_env` (``timeout``: a

@@ -1,4 +1,4 @@
-"""vLLM 0.33 as it builds and runs the plugin on a GPU, reproduced on the CPU with vLLM's own objects.
+"""vLLM as it builds and runs the plugin on a GPU, reproduced on the CPU with vLLM's own objects.
 
 What a CPU test must copy from a GPU start-up (docs/facts.md#vllm-start-up), in one place for every vLLM test:
 

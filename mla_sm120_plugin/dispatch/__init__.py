@@ -10,7 +10,10 @@
   (``flashinfer_envelope.json``); :mod:`.flashinfer_dsv4`: its DeepSeek-V4 kernels' envelope and probe;
 - :mod:`.dsv4`: the plugin's DeepSeek-V4 kernels on FlashInfer's SM120 call surface (the engines' call);
 - :mod:`.selfcheck`: each bound kernel proven against float64 at engine init, one runner for every
-  family, with a case module per family (:mod:`.selfcheck_dsa`, :mod:`.selfcheck_dsv4`).
+  family, with a case module per family (:mod:`.selfcheck_dsa`, :mod:`.selfcheck_dsv4`, named by the
+  family's ``selfcheck_case``);
+- :mod:`.bound`: a decision bound for an engine (verified, bound, logged once): the one service every
+  engine binding calls.
 
 Imports point down only: these modules import :mod:`mla_sm120_plugin.kernels`, never the reverse.
 Importing this package imports nothing heavy.

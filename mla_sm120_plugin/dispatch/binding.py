@@ -24,6 +24,7 @@ class BoundKernel:
         scale as a value do not need it).
     :param needs_scale_format: ``fn`` requires it (no default).
     :param graph_safe: from the spec: safe inside CUDA graph capture.
+    :param engine_own: ``fn`` is the engine's own callable for the kernel (the engine calls it itself).
     """
 
     name: str
@@ -31,6 +32,7 @@ class BoundKernel:
     takes_scale_format: bool
     needs_scale_format: bool
     graph_safe: bool
+    engine_own: bool = False
 
     def call(self, q: Any, kv_cache: Any, indices: Any, *, scale_format: str | None = None, **kwargs: Any) -> Any:
         """Run the kernel; ``scale_format`` reaches it only when it takes one (kernels that read each

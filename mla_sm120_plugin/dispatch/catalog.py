@@ -231,7 +231,8 @@ TRITON_DSV4_SPEC = KernelSpec(
     graph_safe=True,
     sinks=True,
     description="portable Triton DeepSeek-V4 kernel: window + compressed cache in one pass, sinks, in-kernel "
-                "fp8 / NVFP4 dequant (one program a token and 16 heads; no split-K)",
+                "fp8 / NVFP4 dequant (one program a token, 16 heads and a range of the candidates: split-K "
+                "where one wave leaves CTA slots free, partials merged by the shared combine)",
     # Exact keys and values in bf16, bf16 q and probabilities, fp32 accumulation: against float64
     # (benchmarks/dsv4_accuracy.py) cos_diff <= 2.4e-6, relRMS <= 0.22 %.
     precision=EXACT,

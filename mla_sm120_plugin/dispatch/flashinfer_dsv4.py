@@ -22,14 +22,8 @@ from ..types import DECODE, DeviceInfo, SelectionContext
 from . import flashinfer_table
 
 FAMILY = "dsv4"
-ENTRY = "flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4"
 # The public call accepts these q head counts on SM120 ("Expected 8, 16, 32, 64, or 128 query heads").
 API_HEADS = (8, 16, 32, 64, 128)
-# FlashInfer's NVFP4 record (kv_cache_format="nvfp4") is its own table's family ("decode_nvfp4" in the
-# packaged envelope, from supported_sparse_mla_sm120_configs(kv_cache_format="nvfp4")): window pages of
-# page_block_size entries, index rows of exactly its topks (compiled, not runtime), compressed pages of
-# its extra_page_block_sizes, its head_counts. Its "sparse" route only (what the engines' call
-# reaches): the cake route's own shapes are not planned.
 
 def _forms(ctx: SelectionContext, phase: str, max_tokens: int) -> tuple[str, ...]:
     """Which of FlashInfer's forms the calls of ``phase`` can take (decode: <= max_tokens tokens)."""
@@ -41,11 +35,11 @@ def _forms(ctx: SelectionContext, phase: str, max_tokens: int) -> tuple[str, ...
 
 
 def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.EnvelopeTable | None = None) -> list[str]:
-    """Why FlashInfer's DeepSeek-V4 kernels cannot serve ``phase`` of ``ctx.dsv4`` (empty: they can).
+    """Why FlashInfer's DeepSeek-V4 kernels cannot serve ``phase`` of ``ctx.call`` (empty: they can).
 
     :param table: the envelope facts (the installed version's, else the newest packaged one).
     """
-    call = ctx.dsv4
+    call = ctx.call
     if call is None:
         return ["reads the DeepSeek-V4 two-cache record only"]
     if ctx.kv_cache_dtype == NVFP4_DSV4:
@@ -81,6 +75,9 @@ def envelope_reasons(ctx: SelectionContext, phase: str, table: flashinfer_table.
 def nvfp4_reasons(heads: int, window: int, window_page: int, extra: int, extra_page: int,
                   table: flashinfer_table.EnvelopeTable | None = None) -> list[str]:
     """Why FlashInfer's NVFP4 DeepSeek-V4 kernels cannot serve a call (empty: they can).
+
+    Their shapes are the table's ``decode_nvfp4`` family (index rows of exactly its compiled topks);
+    its "sparse" route only (what the engines' call reaches): the cake route's shapes are not planned.
 
     :param table: the envelope facts (the installed version's, else the newest packaged one).
     """

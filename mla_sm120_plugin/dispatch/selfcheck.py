@@ -17,6 +17,7 @@ sweep (:func:`sweep`) are this module's, for every family. Results are kept per 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 from dataclasses import dataclass
@@ -24,17 +25,36 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from .. import families
 from ..envs import SELF_CHECK as ENV
-from ..errors import MlaSm120Error, UnsupportedConfiguration, format_error
+from ..errors import MlaSm120Error, PluginError, UnsupportedConfiguration, format_error
 from ..kernels.accuracy import Accuracy, AccuracyBound, measure
 from ..kernels.dsa import layout as dsa_layout
-from ..types import DSA_FAMILY, DSV4_FAMILY, Decision
-from . import selfcheck_dsa, selfcheck_dsv4
+from ..types import Decision, KernelSpec
 from .binding import BoundKernel, bind
 
 MODES = ("on", "off", "strict")
-# Each family's case: how its call is built, run and measured (build / run / truth / keys / sweep_keys).
-CASES = {DSA_FAMILY: selfcheck_dsa, DSV4_FAMILY: selfcheck_dsv4}
+
+
+def case_of(family: families.Family) -> Any:
+    """A family's self-check case: the module (:attr:`~mla_sm120_plugin.families.base.Family.selfcheck_case`)
+    that builds, runs and measures its call (``build`` / ``run`` / ``truth`` / ``keys`` / ``sweep_keys`` /
+    ``ORDER``)."""
+    return importlib.import_module(family.selfcheck_case)
+
+
+def _kernel_case(spec: KernelSpec) -> Any:
+    """The self-check case of the family whose layouts ``spec`` reads.
+
+    :raises PluginError: the kernel reads no family's layouts.
+    """
+    family = families.of_kernel(spec)
+    if family is None:
+        raise PluginError(format_error(f"kernel {spec.name} reads {sorted(spec.kv_cache_dtypes)}",
+                                       "a kernel that reads one family's cache layouts",
+                                       "fix the kernel's kv_cache_dtypes"))
+    return case_of(family)
+
 # `doctor --self-check`'s heads: GLM-5 at TP4 (DSA), V4-Flash at TP4 (DeepSeek-V4).
 SWEEP_HEADS = 16
 
@@ -142,7 +162,8 @@ def engine_device() -> torch.device:
 def engine_kernel(name: str, fn: Callable[..., Any]) -> BoundKernel:
     """A kernel the engine calls itself (FlashInfer's DeepSeek-V4 kernel, as the engine imported it),
     as the runner calls it."""
-    return BoundKernel(name=name, fn=fn, takes_scale_format=False, needs_scale_format=False, graph_safe=True)
+    return BoundKernel(name=name, fn=fn, takes_scale_format=False, needs_scale_format=False, graph_safe=True,
+                       engine_own=True)
 
 
 @contextlib.contextmanager
@@ -219,7 +240,7 @@ def run(kernel: BoundKernel, key: CheckKey) -> CheckResult:
     if key in _results:
         return _results[key]
     spec = get_registry().kernels[kernel.name]
-    case = CASES[spec.family]
+    case = _kernel_case(spec)
     tolerance, bound = spec.tolerance, spec.accuracy
     start = time.perf_counter()
     inputs: dict[str, Any] = {}
@@ -271,7 +292,7 @@ def verify(decision: Decision, *, device: torch.device | str, strict: bool, q_dt
         (or ``strict``).
     """
     ctx = decision.context
-    case = CASES[DSV4_FAMILY if ctx.dsv4 is not None else DSA_FAMILY]
+    case = case_of(families.get(ctx.family))
     fns = engine_fns or {}
     device = torch.device(device)
     start = time.perf_counter()
@@ -300,13 +321,13 @@ def verify(decision: Decision, *, device: torch.device | str, strict: bool, q_dt
 
 
 def _label(decision: Decision) -> str:
-    call = decision.context.dsv4
+    call = decision.context.call
     return "" if call is None else f"{call.kind} "
 
 
 def _refusal(decision: Decision, phase: str, failures: list[CheckResult], device: torch.device, strict: bool) -> str:
-    call = decision.context.dsv4
-    words = "" if call is None else f"DeepSeek-V4 {call.kind} "
+    call = decision.context.call
+    words = "" if call is None else f"{families.get(decision.context.family).label} {call.kind} "
     first = failures[0]
     tried = "; ".join(f"{r.key.kernel}: {r.error}" for r in failures)
     return format_error(
@@ -352,7 +373,7 @@ def sweep(device: torch.device | str) -> list[dict[str, Any]]:
     for name, spec in get_registry().kernels.items():
         if probe_reasons(spec, here):
             continue  # `doctor` already says why it cannot run here
-        for fields, shown in CASES[spec.family].sweep_keys(name, spec, num_heads=SWEEP_HEADS, device=target):
+        for fields, shown in _kernel_case(spec).sweep_keys(name, spec, num_heads=SWEEP_HEADS, device=target):
             key = CheckKey(**fields)
             row = dict(kernel=name, phase=key.phase, kv_layout=key.kv_layout, heads=key.num_heads, device=target,
                        **shown)

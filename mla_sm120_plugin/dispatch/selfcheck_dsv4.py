@@ -117,7 +117,7 @@ def truth(key: Any, inputs: dict[str, Any]) -> torch.Tensor:
 def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: str) -> list[dict[str, Any]]:
     """What proves ``kernel`` for ``phase`` of a layer kind's ``decision`` (``CheckKey`` fields): its
     record, the phase's q heads and the pages the engine's call passes."""
-    call = decision.context.dsv4
+    call = decision.context.call
     assert call is not None  # a DeepSeek-V4 decision carries its call
     window_page, extra_page = call.pages_at_call
     return [dict(kernel=kernel, phase=BOTH, kv_layout=decision.context.kv_cache_dtype,

@@ -1,36 +1,58 @@
-"""Model families, each a row in the shared rooms: its part of the plan is how its layers' attention
-calls are shaped into selection contexts.
+"""Model families, each an object the shared rooms ask (:class:`.base.Family`), and the one table of them.
 
-- :mod:`.dsa`: DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2, GLM-5.3-Flash): one latent cache,
-  one call shape, so a plan of one layer kind (:data:`.dsa.KIND`).
+- :mod:`.base`: the protocol, and :class:`.base.Shaped` (a model's calls as its family shapes them).
+- :mod:`.dsa`: DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2, GLM-5.3-Flash, HY V4, Kimi K3.1,
+  Mistral Large 4): one latent cache, one call shape, so a plan of one layer kind.
 - :mod:`.dsv4`: DeepSeek-V4 (V4-Flash, V4-Pro, V4.1 and their drafts): a window cache and a
   compressed cache a layer, one call shape per layer kind, the record the engine's spelling names.
 
-Each module has ``shape(facts, settings, device, kv_cache_dtype, limits, *, speculative_tokens,
-dspark) -> Shaped`` (:class:`Shaped`) and ``check_kv_cache_dtype(engine)`` (what ``mla-sm120 check``
-assumes without ``--kv-cache-dtype``). :func:`mla_sm120_plugin.plan.plan` picks the part for a model
-and decides every context it shapes with the one matrix.
+The plan, the rules, the selection, the report and the self-check runner name no family: they read
+:data:`FAMILIES` through :func:`get`, :func:`of` (a model's) and :func:`of_kernel` (a kernel's). This
+module is also the built-in ``mla_sm120_validate`` implementation (registered by the plugin manager as
+``mla_sm120.policy``, exactly like a third party's): a context's family says its rules. A new family is
+a module here beside a kernel folder and a self-check case, and a line in :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
-from ..types import SelectionContext
+from ..errors import PluginError, format_error
+from ..hooks.specs import hookimpl
+from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
+from . import dsa, dsv4
+from .base import Family, Shaped
+
+FAMILIES: Mapping[str, Family] = {family.name: family for family in (dsa.FAMILY, dsv4.FAMILY)}
+
+__all__ = ["FAMILIES", "Family", "Shaped", "get", "of", "of_kernel", "mla_sm120_validate"]
 
 
-@dataclass(frozen=True)
-class Shaped:
-    """A model's calls as a family shapes them.
+def get(name: str) -> Family:
+    """The family called ``name``.
 
-    :param contexts: layer kind -> the selection context of its call.
-    :param record: the cache record every layer reads (a DeepSeek-V4 record name), or None (the
-        contexts' own layouts).
-    :param notes: what is worth a line beside the plan.
+    :raises PluginError: no family has that name (a profile or a third party's context naming one).
     """
+    family = FAMILIES.get(name)
+    if family is None:
+        raise PluginError(format_error(f"model family {name!r}", f"one of {list(FAMILIES)}",
+                                       "say 'dsa' for a one-cache sparse-MLA model, 'dsv4' for DeepSeek-V4"))
+    return family
 
-    contexts: Mapping[str, SelectionContext]
-    record: str | None = None
-    notes: tuple[str, ...] = ()
 
+def of(facts: Any) -> Family:
+    """The family of a model (:attr:`~mla_sm120_plugin.modelinfo.ModelFacts.family`, which the reader took
+    from the model's profile)."""
+    return get(facts.family)
+
+
+def of_kernel(spec: KernelSpec) -> Family | None:
+    """The family whose cache layouts ``spec`` reads (None: none of the families')."""
+    return next((family for family in FAMILIES.values() if spec.kv_cache_dtypes & family.layouts), None)
+
+
+@hookimpl
+def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> Iterator[Refusal]:
+    """The rules every engine shares, as the context's family states them (SM family, KV layout, engine
+    features, model geometry)."""
+    yield from get(ctx.family).refusals(ctx, profile)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's part of the plan: one call shape per layer kind, and the record both caches hold.
+"""DeepSeek-V4, as a family: one call shape per layer kind, and the record both caches hold.
 
 A DeepSeek-V4 layer is one of a few kinds (docs/facts.md, DeepSeek-V4): the sliding window alone
 (the draft layers, V4's window-only layers), or the window plus a compressed cache (V4: C4A, the
@@ -7,25 +7,30 @@ kind makes its own attention call in each phase, with its own widths, page sizes
 shaped as the engine shapes it (:class:`~mla_sm120_plugin.engines.Dsv4Calls`: vLLM pads q heads to
 8/16/32/64/128 and reads 64-entry window pages; SGLang passes 256-token pages, copies window pages
 into 64-entry ones for FlashInfer and pads decode q to 64 heads unless FlashInfer lists the rank's
-count). :func:`shape` makes one :class:`~mla_sm120_plugin.types.Dsv4Call` and one context a kind,
-after refusing what no kind can serve (the device, the TP size, the KV dtype). Pure Python.
+count). :meth:`Dsv4Family.shape` makes one :class:`Dsv4Call` and one context a kind, after refusing
+what no kind can serve (the device, the TP size, the KV dtype); its report rows are a row per (layer
+kind, phase), the record and the compressed caches' capacity. Pure Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
-from .. import config as config_mod
-from ..context import EngineLimits, build_context
-from ..engines import ENGINES, Engine, lookup
+from ..engines import Engine, for_context, lookup, others
 from ..errors import UnsupportedConfiguration, format_error
-from ..kernels.dsv4.layout import FP8_DSV4, NVFP4_DSV4, NVFP4_RECORD
+from ..kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, NVFP4_DSV4, NVFP4_RECORD, RECORDS, Dsv4Record
 from ..kernels.shared.host import cdiv
-from ..modelinfo import Dsv4Geometry, ModelFacts
-from ..rules import device_refusal
-from ..types import DECODE, DSV4_FAMILY, PREFILL, DeviceInfo, Dsv4Call
-from . import Shaped
+from ..rules import device_refusal, feature_refusals
+from ..types import DECODE, PHASES, PREFILL, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
+from .base import Shaped
 
+# ModelFacts and its Dsv4Geometry (modelinfo) reach this module as arguments: read by attribute, not
+# imported (the reader sits on this floor and imports the plugin manager, which loads the families).
+
+NAME = "dsv4"
+GIB = 1 << 30
 WINDOW = "window"
 
 
@@ -34,32 +39,82 @@ def kind_name(ratio: int) -> str:
     return WINDOW if ratio == 0 else f"c{ratio}a"
 
 
+@dataclass(frozen=True)
+class Dsv4Call:
+    """One DeepSeek-V4 layer kind's attention call as the engine makes it: a window cache and, for a
+    compressed layer, a compressed cache, in one call (each with its own slots, lengths and pages).
+
+    :param kind: ``"window"`` (the sliding window only) or ``"c<ratio>a"`` (the window and the
+        compressed cache: ``c4a`` with the indexer's top-k, ``c128a`` with every entry; V4.1's
+        ``c1a`` / ``c2a``).
+    :param compress_ratio: tokens a compressed entry stands for (0: no compressed cache).
+    :param layers: how many of the model's layers (drafts' included) are of this kind.
+    :param window: window slots a decode query row holds (the window, or DSpark's wider one).
+    :param prefill_window: window slots a prefill row holds (the vision variant's are wider).
+    :param window_page: entries a window-cache page holds.
+    :param extra: compressed slots a query row holds (0 without a compressed cache).
+    :param extra_page: entries a compressed-cache page holds (0 without one).
+    :param decode_heads: q heads a decode call carries (the engine pads the rank's heads).
+    :param prefill_heads: q heads a prefill call carries.
+    :param call_window_page: entries a window-cache page holds as the engine's call passes it (0: the
+        same as ``window_page``, which is what FlashInfer's kernels see).
+    """
+
+    kind: str
+    compress_ratio: int
+    layers: int
+    window: int
+    prefill_window: int
+    window_page: int
+    extra: int
+    extra_page: int
+    decode_heads: int
+    prefill_heads: int
+    call_window_page: int = 0
+
+    def heads_for(self, phase: str) -> int:
+        return self.prefill_heads if phase == PREFILL else self.decode_heads
+
+    def window_for(self, phase: str) -> int:
+        return self.prefill_window if phase == PREFILL else self.window
+
+    @property
+    def pages_at_call(self) -> tuple[int, int]:
+        """(window, compressed) entries a page holds as the engine's call passes the caches."""
+        return self.call_window_page or self.window_page, self.extra_page
+
+    def describe(self, phase: str) -> str:
+        extra = f", compressed {self.extra} slots (pages of {self.extra_page})" if self.extra else ""
+        return (f"{self.kind} {phase}: {self.heads_for(phase)} q heads, window {self.window_for(phase)} slots "
+                f"(pages of {self.window_page}){extra}")
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _extra_width(engine: Engine, geometry: Dsv4Geometry, ratio: int, index_topk: int) -> int:
+def _extra_width(engine: Engine, geometry: Any, ratio: int, index_topk: int) -> int:
     """Compressed slots a query row holds for a ``ratio`` layer."""
     if ratio == 0:
         return 0
     if geometry.version == "v4" and ratio == 128:
         entries = cdiv(geometry.max_model_len, ratio)  # C128A attends every entry
-        if engine.name == "vllm":  # a power of two >= max_seq_len // 128, a multiple of 128
-            return max(_pow2_at_least(entries), 128)
-        return cdiv(entries, 64) * 64  # SGLang pads index rows to multiples of 64
+        rules = engine.dsv4
+        wide = _pow2_at_least(entries) if rules.full_row_pow2 else entries
+        return cdiv(wide, rules.full_row_align) * rules.full_row_align
     return index_topk
 
 
-def _window_widths(engine: Engine, geometry: Dsv4Geometry, speculative_tokens: int, dspark: bool) -> tuple[int, int]:
+def _window_widths(engine: Engine, geometry: Any, speculative_tokens: int, dspark: bool) -> tuple[int, int]:
     """(decode, prefill) window slots a query row holds."""
     window = geometry.sliding_window
     decode = window
-    if dspark and engine.name == "vllm" and speculative_tokens:
+    if dspark and engine.dsv4.dspark_widens_window and speculative_tokens:
         decode = cdiv(window + speculative_tokens, 64) * 64  # get_dspark_swa_index_width
     return decode, window + geometry.vision_tokens
 
 
-def layer_calls(facts: ModelFacts, engine: str, tensor_parallel_size: int, *, speculative_tokens: int = 0,
+def layer_calls(facts: Any, engine: str, tensor_parallel_size: int, *, speculative_tokens: int = 0,
                 dspark: bool = False, release: str | None = None) -> list[Dsv4Call]:
     """One :class:`Dsv4Call` per layer kind of ``facts`` under ``engine`` (at ``release``; None: its
     oldest supported) at this TP size.
@@ -89,10 +144,10 @@ def layer_calls(facts: ModelFacts, engine: str, tensor_parallel_size: int, *, sp
 
 def nvfp4_spellings_elsewhere(engine: Engine) -> tuple[str, ...]:
     """NVFP4 spellings another engine takes (so this one's refusal says NVFP4, not 'no such cache')."""
-    return tuple(s for other in ENGINES.values() if other is not engine for s in other.dsv4.nvfp4_spellings)
+    return tuple(s for other in others(engine) for s in other.dsv4.nvfp4_spellings)
 
 
-def _kv_record(engine: Engine, kv_cache_dtype: str | None, facts: ModelFacts, device: DeviceInfo, dspark: bool) -> str:
+def _kv_record(engine: Engine, kv_cache_dtype: str | None, facts: Any, device: DeviceInfo, dspark: bool) -> str:
     """The record ``--kv-cache-dtype`` names for this model in ``engine``.
 
     :raises UnsupportedConfiguration: the engine refuses the spelling, or the plugin writes no such record here.
@@ -132,7 +187,7 @@ def _kv_record(engine: Engine, kv_cache_dtype: str | None, facts: ModelFacts, de
         f"pass --kv-cache-dtype {rules.kv_spellings[-1]} (or leave it auto)"))
 
 
-def _tp_refusal(facts: ModelFacts, tp: int, device: DeviceInfo) -> None:
+def _tp_refusal(facts: Any, tp: int, device: DeviceInfo, engine: Engine) -> None:
     geometry = facts.dsv4
     assert geometry is not None  # layer_calls checked it
     if tp > geometry.o_groups:
@@ -143,7 +198,7 @@ def _tp_refusal(facts: ModelFacts, tp: int, device: DeviceInfo) -> None:
             f"tensor_parallel_size <= {geometry.o_groups} (a divisor of {facts.num_heads} heads)",
             f"use --tensor-parallel-size {max(t for t in (1, 2, 4, 8, 16) if t <= geometry.o_groups)} "
             "(and data or pipeline parallelism for more GPUs)"))
-    most = max(max(engine.dsv4.decode_heads) for engine in ENGINES.values())
+    most = max(engine.dsv4.decode_heads)
     if facts.num_heads // tp > most:
         raise UnsupportedConfiguration(format_error(
             f"model_arch={facts.arch}, tensor_parallel_size={tp}: {facts.num_heads // tp} heads a rank",
@@ -151,9 +206,10 @@ def _tp_refusal(facts: ModelFacts, tp: int, device: DeviceInfo) -> None:
             f"use --tensor-parallel-size {cdiv(facts.num_heads, most)} or more"))
 
 
-def _device_refusal(facts: ModelFacts, device: DeviceInfo, engine: Engine, kv_cache_dtype: str | None) -> None:
+def _device_refusal(facts: Any, device: DeviceInfo, engine: Engine, kv_cache_dtype: str | None) -> None:
     nvfp4 = str(kv_cache_dtype) in engine.dsv4.nvfp4_spellings + nvfp4_spellings_elsewhere(engine)
-    refusal = device_refusal(device, engine.name, DSV4_FAMILY, NVFP4_DSV4 if nvfp4 else None)
+    refusal = device_refusal(device, engine, FAMILY.device_words, FAMILY.own_path(engine, device.sm_family),
+                             NVFP4_DSV4 if nvfp4 else None)
     if refusal is not None:
         # the KV dtype is named only where it is why the fix differs (the engine's launch and check
         # spell a default cache differently)
@@ -161,26 +217,18 @@ def _device_refusal(facts: ModelFacts, device: DeviceInfo, engine: Engine, kv_ca
         raise UnsupportedConfiguration(format_error(given, refusal.supported, refusal.fix))
 
 
-def shape(facts: ModelFacts, settings: config_mod.Settings, device: DeviceInfo, kv_cache_dtype: str | None,
-          limits: EngineLimits, *, speculative_tokens: int = 0, dspark: bool = False) -> Shaped:
-    """One context per layer kind of a DeepSeek-V4 deployment.
-
-    :param kv_cache_dtype: the engine's ``--kv-cache-dtype`` as the user wrote it (None: auto).
-    :param speculative_tokens: draft tokens a step (vLLM's DSpark widens decode window rows).
-    :param dspark: the draft is DSpark (non-causal window rows).
-    :raises UnsupportedConfiguration: the device, the TP size or the KV dtype cannot be served.
-    """
+def _shape(base: SelectionContext, facts: Any, kv_cache_dtype: str | None, limits: Any, *,
+           speculative_tokens: int, dspark: bool) -> Shaped:
     engine = limits.facts
+    device = base.device
     calls = layer_calls(facts, limits.engine, limits.tensor_parallel_size, speculative_tokens=speculative_tokens,
                         dspark=dspark, release=limits.release)
     _device_refusal(facts, device, engine, kv_cache_dtype)
-    _tp_refusal(facts, limits.tensor_parallel_size, device)
+    _tp_refusal(facts, limits.tensor_parallel_size, device, engine)
     record = _kv_record(engine, kv_cache_dtype, facts, device, dspark)
-    base = build_context(facts, settings, device, None, limits)
     contexts = {call.kind: dataclasses.replace(base, kv_cache_dtype=record, kv_cache_dtype_given=kv_cache_dtype,
-                                               index_topk=facts.index_topk, dsv4=call) for call in calls}
+                                               index_topk=facts.index_topk, call=call) for call in calls}
     notes = []
-    assert facts.dsv4 is not None
     if not facts.dsv4.layers_known:
         notes.append(f"{facts.name}: a built-in profile lists each layer kind the model has; the layer counts are "
                      "not the model's (its config.json has its per-layer list: pass that for the counts)")
@@ -189,9 +237,154 @@ def shape(facts: ModelFacts, settings: config_mod.Settings, device: DeviceInfo, 
         notes.append(f"{NVFP4_RECORD.token_bytes}-byte NVFP4 record: the plugin's layer class writes it (window rows "
                      "and the compressor's rows, its Triton writer) and sizes vLLM's cache specs at "
                      f"{NVFP4_RECORD.token_bytes} bytes an entry; FlashInfer's fused NVFP4 writers are not bound")
-    return Shaped(contexts=contexts, record=record, notes=tuple(notes))
+    return Shaped(contexts=contexts, kv_cache=record, notes=tuple(notes))
 
 
-def check_kv_cache_dtype(engine: str) -> None:
-    """What ``mla-sm120 check`` plans without ``--kv-cache-dtype``: auto (the fp8 record in both engines)."""
-    return None
+# ------------------------------------------------------------------------------ the report's rows
+
+
+def bytes_per_token(geometry: Any, record: Dsv4Record = FP8_RECORD) -> dict[str, float]:
+    """Cache bytes one context token costs a DeepSeek-V4 layer of each compressed kind (the window
+    cache is bounded by the window; a compressed cache grows with the context)."""
+    return {kind_name(ratio): record.token_bytes / ratio for ratio in geometry.layer_counts() if ratio}
+
+
+def model_capacity(geometry: Any, record: Dsv4Record) -> dict[str, Any]:
+    """Context tokens one GiB of a DeepSeek-V4 model's compressed caches holds (every compressed layer,
+    one rank) in ``record``, beside the 584-byte fp8 record, in the family's capacity shape."""
+    def tokens(rec: Dsv4Record) -> int:
+        per_token = sum(layers * rec.token_bytes / ratio for ratio, layers in geometry.layer_counts().items() if ratio)
+        return int(GIB // per_token) if per_token else 0
+
+    rows = {rec.name: {"token_bytes": rec.token_bytes, "tokens_per_gib": tokens(rec)}
+            for rec in dict.fromkeys((record, FP8_RECORD))}
+    mine, fp8 = rows[record.name]["tokens_per_gib"], rows[FP8_RECORD.name]["tokens_per_gib"]
+    ratios = {} if record is FP8_RECORD else {FP8_RECORD.name: round(mine / fp8, 2) if fp8 else 1.0}
+    return {"scope": "context tokens a GiB of one rank's compressed caches holds (every compressed layer)",
+            "layouts": rows, "ratio_vs": ratios}
+
+
+def _record_text(record: Dsv4Record) -> str:
+    if record.name == NVFP4_DSV4:
+        return (f"the {record.token_bytes}-byte NVFP4 DeepSeek-V4 record (448 e2m1 + 64 bf16 rope + 28 e4m3 scales "
+                "a 16-value group, page-major; FlashInfer's kv_cache_format='nvfp4')")
+    return (f"the {record.token_bytes}-byte fp8 DeepSeek-V4 record (448 e4m3 + 64 bf16 rope + 7 UE8M0 scales, "
+            "page-major)")
+
+
+def _capacity_text(plan: Any, record: Dsv4Record) -> str:
+    cap = model_capacity(plan.facts.dsv4, record)
+    counts = {name: row["tokens_per_gib"] for name, row in cap["layouts"].items()}
+    if record.name == FP8_RECORD.name:
+        return f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers)"
+    return (f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers); "
+            f"the {FP8_RECORD.token_bytes}-byte fp8 record: {counts[FP8_RECORD.name]:,} -> "
+            f"{cap['ratio_vs'][FP8_RECORD.name]:.2f}x (the compressed caches alone: {plan.versioned} gives every block "
+            "a page of each cache, the window's and the indexer's and compressor's too, which the record does not "
+            "shrink, so its block count grows less)")
+
+
+class Dsv4Family:
+    """The DeepSeek-V4 family (:class:`~mla_sm120_plugin.families.base.Family`)."""
+
+    name = NAME
+    label = "DeepSeek-V4"
+    has_call = True
+    layouts = frozenset(RECORDS)
+    selfcheck_case = "mla_sm120_plugin.dispatch.selfcheck_dsv4"
+    device_words = ("DeepSeek-V4 backends", "DeepSeek-V4", "the plugin's opt-in")
+
+    def own_path(self, engine: Engine, sm_family: int | None) -> str:
+        return engine.own_dsv4_path(sm_family)
+
+    def shape(self, base: SelectionContext, facts: Any, kv_cache_dtype: str | None, limits: Any, *,
+              speculative_tokens: int = 0, dspark: bool = False) -> Shaped:
+        """One context per layer kind of a DeepSeek-V4 deployment.
+
+        :param kv_cache_dtype: the engine's ``--kv-cache-dtype`` as the user wrote it (None: auto).
+        :param speculative_tokens: draft tokens a step (vLLM's DSpark widens decode window rows).
+        :param dspark: the draft is DSpark (non-causal window rows).
+        :raises UnsupportedConfiguration: the device, the TP size or the KV dtype cannot be served.
+        """
+        return _shape(base, facts, kv_cache_dtype, limits, speculative_tokens=speculative_tokens, dspark=dspark)
+
+    def check_kv_cache_dtype(self, engine: Engine) -> None:
+        """Auto: the fp8 record in both engines."""
+        return None
+
+    def refusals(self, ctx: SelectionContext, profile: ModelProfile | None) -> Iterator[Refusal]:
+        """The SM family and the record (the plan checked TP and the KV dtype's spelling; here a third
+        party's context is held to the same)."""
+        engine = for_context(ctx)
+        device = device_refusal(ctx.device, engine, self.device_words, self.own_path(engine, ctx.device.sm_family),
+                                ctx.kv_cache_dtype)
+        if device is not None:
+            yield device
+        if ctx.kv_cache_dtype not in RECORDS:
+            yield Refusal(
+                f"kv layout {ctx.kv_cache_dtype}: DeepSeek-V4 layers read the {RECORDS[FP8_DSV4].token_bytes}-byte record",
+                f"kv layouts {sorted(RECORDS)}",
+                f"pass --kv-cache-dtype {engine.dsv4.kv_spellings[-1]} (or auto)",
+            )
+        yield from feature_refusals(ctx, "the standard DeepSeek-V4 cache path", "")
+
+    def call_from_json(self, fields: Mapping[str, Any] | None) -> Dsv4Call | None:
+        return None if fields is None else Dsv4Call(**fields)
+
+    def token_bytes(self, layout: str) -> int | None:
+        return RECORDS[layout].token_bytes if layout in RECORDS else None
+
+    def capacity(self, ctx: SelectionContext) -> dict[str, Any]:
+        """A layer kind lists its record alone (no other layout of the engines holds these layers)."""
+        record = RECORDS.get(ctx.kv_cache_dtype)
+        rows = {} if record is None else {record.name: {"token_bytes": record.token_bytes,
+                                                        "tokens_per_gib": GIB // record.token_bytes}}
+        return {"scope": "cache entries a GiB holds, per layer", "layouts": rows, "ratio_vs": {}}
+
+    def scales(self, ctx: SelectionContext, decision: Decision) -> str:
+        record = RECORDS.get(ctx.kv_cache_dtype)
+        if record is None:
+            return decision.scale_format
+        kind = "e4m3" if record.nope_bits == 4 else "UE8M0 (pow2)"
+        return f"{kind} per {record.scale_group} values, fixed by the record"
+
+    def plan_capacity(self, plan: Any) -> dict[str, Any]:
+        return model_capacity(plan.facts.dsv4, RECORDS[plan.kv_cache])
+
+    def plan_rows(self, plan: Any) -> list[str]:
+        """The plan's header (model, device, release, heads and groups a GPU; the record; the compressed
+        caches' capacity) and a row per (layer kind, phase)."""
+        geometry = plan.facts.dsv4
+        record = RECORDS[plan.kv_cache]
+        heads = plan.facts.num_heads // plan.tensor_parallel_size
+        lines = [
+            f"DeepSeek-V4 plan: {plan.facts.name} ({plan.facts.arch}, {geometry.version}) on {plan.device.describe()} "
+            f"({plan.device.source}), {plan.versioned}, tp={plan.tensor_parallel_size}: {heads} heads and "
+            f"{geometry.o_groups // plan.tensor_parallel_size} output group(s) a GPU",
+            f"kv cache: {_record_text(record)}; compressed caches cost "
+            + ", ".join(f"{k} {v:.3g} B" for k, v in bytes_per_token(geometry, record).items())
+            + " a context token a layer",
+            _capacity_text(plan, record),
+            "",
+            f"{'layer kind':<11} {'layers':>6}  {'phase':<8} {'q heads':>7} {'window':>7} {'page':>5} "
+            f"{'compressed':>10} {'page':>5}  kernel (class)",
+        ]
+        for kind, decision in plan.decisions.items():
+            call = decision.context.call
+            for phase in PHASES:
+                extra = (f"{call.extra:>10} {call.extra_page:>5}" if call.extra else f"{'-':>10} {'-':>5}")
+                lines.append(f"{kind:<11} {call.layers:>6}  {phase:<8} {call.heads_for(phase):>7} "
+                             f"{call.window_for(phase):>7} {call.window_page:>5} {extra}  "
+                             f"{decision.kernels[phase]} ({decision.classes.get(phase, '?')})")
+        return lines
+
+    def details(self, plan: Any) -> dict[str, Any]:
+        geometry = plan.facts.dsv4
+        return {"version": geometry.version, "layers_known": geometry.layers_known,
+                "compressed_bytes_per_token": bytes_per_token(geometry, RECORDS[plan.kv_cache])}
+
+    def layers(self, ctx: SelectionContext) -> int:
+        return ctx.call.layers
+
+
+FAMILY = Dsv4Family()

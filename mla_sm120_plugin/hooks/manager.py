@@ -18,6 +18,7 @@ import pluggy
 
 from .. import envs
 from ..errors import PluginError, format_error
+from ..families import FAMILIES
 from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
 from . import specs
 from .specs import ENTRY_POINT_GROUP, PROJECT_NAME
@@ -28,7 +29,7 @@ DISABLE_ENV = envs.DISABLE_PLUGINS
 BUILTIN_PLUGINS: Mapping[str, str] = {
     "mla_sm120.models": "mla_sm120_plugin.profiles",
     "mla_sm120.kernels": "mla_sm120_plugin.dispatch.catalog",
-    "mla_sm120.policy": "mla_sm120_plugin.rules",
+    "mla_sm120.policy": "mla_sm120_plugin.families",
 }
 
 
@@ -273,6 +274,11 @@ def build_registry(
     for profile, label in _collect(pm, "mla_sm120_model_profiles", ModelProfile, labels):
         if profile.name in profiles:
             raise _duplicate("model profile", profile.name, providers[("profile", profile.name)], label)
+        if profile.family not in FAMILIES:
+            raise PluginError(format_error(
+                f"plugin {label}, hook mla_sm120_model_profiles: ModelProfile({profile.name!r}).family="
+                f"{profile.family!r}", f"one of {list(FAMILIES)}",
+                "say 'dsa' for a one-cache sparse-MLA model, 'dsv4' for DeepSeek-V4"))
         for arch in profile.architectures:
             if arch in by_arch:
                 other = by_arch[arch]

@@ -67,7 +67,10 @@ def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> I
 
     Every implementation is called; all reasons are collected into one
     :class:`~mla_sm120_plugin.errors.UnsupportedConfiguration`. The built-in policy (SM family,
-    KV layout, engine features, model geometry: :mod:`mla_sm120_plugin.rules`) is one.
+    KV layout, engine features, model geometry, as the context's family states them:
+    :mod:`mla_sm120_plugin.families`, over :mod:`mla_sm120_plugin.rules`) is one. A context's
+    ``family`` (``"dsa"`` or ``"dsv4"``) says which model family it is; a DeepSeek-V4 context carries
+    its layer kind's ``call``.
     An implementation that raises, exits or returns another type is reported as a
     :class:`~mla_sm120_plugin.errors.PluginError` naming its distribution and this hook.
 

@@ -4,7 +4,7 @@
   rope-less GLM-5.3-Flash): cache layouts as data (:mod:`.dsa.layout`), packers and dequantization
   (:mod:`.dsa.pack`, :mod:`.dsa.nvfp4`), the torch reference (:mod:`.dsa.reference`), the Triton
   kernels (:mod:`.dsa.triton`, :mod:`.dsa.triton_fast`, their shared parts :mod:`.dsa.triton_parts`) and their
-  launch plans (:mod:`.dsa.triton_plan`).
+  launch plans (:mod:`.dsa.plan`).
 - :mod:`.dsv4`: DeepSeek-V4 attention over two paged caches in one call (a sliding window and a
   compressed cache) with per-head sinks: the 584-byte record as data (:mod:`.dsv4.layout`), its
   packer and dequantization (:mod:`.dsv4.pack`), the torch reference (:mod:`.dsv4.reference`), the

@@ -9,7 +9,7 @@ per kernel and launch configuration, called as vLLM calls it (its own output buf
 validation), a row reports ``eager_us``, ``graph_us`` (CUDA graph), ``host_us``, ``gbps`` and
 ``tflops`` with their fractions of the measured copy bandwidth and bf16 matmul rate, the accuracy
 against float64 over the dequantized rows with the kernel's declared ``bound``, and the
-``config`` and ``traffic`` (:func:`~mla_sm120_plugin.kernels.dsa.triton_plan.traffic`). On sm_90
+``config`` and ``traffic`` (:func:`~mla_sm120_plugin.kernels.dsa.plan.traffic`). On sm_90
 the fast kernel's fp8 dots are emulated and its rows say so in ``note``. Each field's definition:
 docs/kernels.md, section ``tools/bench.py``.
 """
@@ -24,7 +24,7 @@ import torch
 
 from mla_sm120_plugin.kernels.accuracy import measure
 from mla_sm120_plugin.kernels.dsa import layout, pack
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 TOPK = 2048
@@ -218,7 +218,7 @@ def run_gpu_benchmarks(device: str = "cuda", quick: bool = False, *, shapes: lis
     import triton
 
     major, minor = torch.cuda.get_device_capability(device)
-    family = plan.family_of(major, minor)
+    family = plan.gpu_family(major, minor)
     report: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=family,
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), quick=quick,
@@ -248,7 +248,7 @@ _MEASURES = (
     "host_us: eager_us - graph_us",
     "gbps: T * topk * row cache bytes (the bytes of a row the kernels load: 656, 528 rope-less) / graph time",
     "tflops: 2 * T * H * topk * (head_dim + 512) / graph time (head_dim 576, 512 rope-less)",
-    "traffic: modeled bytes of the config's launches (triton_plan.traffic), and its ratio to the minimum",
+    "traffic: modeled bytes of the config's launches (plan.traffic), and its ratio to the minimum",
     "ceilings: copy_gbps (1 GiB device copy, read + written), matmul_tflops (bf16 n^3 matmul)",
 )
 

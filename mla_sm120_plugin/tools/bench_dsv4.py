@@ -184,7 +184,7 @@ def run(device: str = "cuda", *, shapes: list[tuple[str, str, int, int]] | None 
     import triton
     import triton.testing
 
-    from mla_sm120_plugin.kernels.shared.launch_plan import family_of
+    from mla_sm120_plugin.kernels.shared.launch_plan import gpu_family
 
     major, minor = torch.cuda.get_device_capability(device)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -193,7 +193,7 @@ def run(device: str = "cuda", *, shapes: list[tuple[str, str, int, int]] | None 
     del src, dst
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # vLLM's, made once a device
     report: dict[str, Any] = dict(
-        device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=family_of(major, minor),
+        device=torch.cuda.get_device_name(device), capability=f"{major}.{minor}", family=gpu_family(major, minor),
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         footprint_bytes=FOOTPRINT_BYTES, copy_gbps=copy_gbps,
         measures={k: v for k, v in (line.split(": ", 1) for line in _MEASURES)}, results=[])

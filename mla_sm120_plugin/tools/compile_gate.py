@@ -85,12 +85,12 @@ def launches() -> list[Any]:
     from mla_sm120_plugin.kernels.dsa import pack
     from mla_sm120_plugin.kernels.dsa import triton as tk
     from mla_sm120_plugin.kernels.dsa import triton_fast as tf
-    from mla_sm120_plugin.kernels.dsa import triton_plan
+    from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
     tokens, heads = _REPRESENTATIVE_TOKENS, _REPRESENTATIVE_HEADS
     found: dict[tuple, Any] = {}
     kinds = [(tk.launch_plan, cfg, layout.KV_LAYOUTS) for cfg in tk.launch_variants()]
-    kinds += [(tf.launch_plan, triton_plan.FAST.config(splits, 2), layout.FP8_LAYOUTS) for splits in (1, 2)]
+    kinds += [(tf.launch_plan, dsa_plan.FAST.config(splits, 2), layout.FP8_LAYOUTS) for splits in (1, 2)]
     for make_plan, cfg, cache_layouts in kinds:
         for cache_layout in cache_layouts:
             for q_dtype in (torch.bfloat16, torch.float32):
@@ -355,9 +355,9 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
 def latency_bytes_per_sm(arch: int) -> float:
     """What one SM of the family's reference part must have in flight to cover a DRAM latency:
     its bandwidth x :data:`~..kernels.shared.launch_plan.LATENCY_US` / its SMs (RTX 5090: 10.5 KB)."""
-    from mla_sm120_plugin.kernels.shared.launch_plan import FAMILIES, family_of
+    from mla_sm120_plugin.kernels.shared.launch_plan import FAMILIES, gpu_family
 
-    family = FAMILIES[family_of(arch // 10, arch % 10)]
+    family = FAMILIES[gpu_family(arch // 10, arch % 10)]
     return family.latency_bytes / family.num_sms
 
 
@@ -368,17 +368,17 @@ def step_bytes(describe: dict[str, Any]) -> int | None:
 
         return describe["block_n"] * dsv4_layout.RECORDS[describe["record"]].token_bytes
     if describe.get("kernel") in STREAMING_KERNELS:
-        from mla_sm120_plugin.kernels.dsa import triton_plan
+        from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
-        return describe["block_k"] * max(triton_plan.row_bytes_read(c) for c in describe["cache"].split("+"))
+        return describe["block_k"] * max(dsa_plan.row_bytes_read(c) for c in describe["cache"].split("+"))
     return None
 
 
 def fast_ctas_per_sm(arch: int) -> int:
     """CTAs per SM the launch plan assumes for the fast kernel on ``sm_<arch>a``."""
-    from mla_sm120_plugin.kernels.dsa import triton_plan
+    from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
-    return triton_plan.FAST.ctas_per_sm[triton_plan.family_of(arch // 10, arch % 10)]
+    return dsa_plan.FAST.ctas_per_sm[dsa_plan.gpu_family(arch // 10, arch % 10)]
 
 
 def report(arch: int) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def test_verify_falls_back_to_the_triton_kernel_when_flashinfers_fails_here():
     def flashinfer_here(**kwargs):
         raise RuntimeError("FlashInfer's SM120 module needs a GPU")
 
-    assert decision.context.dsv4.pages_at_call == (64, 64)
+    assert decision.context.call.pages_at_call == (64, 64)
     kernels, line = selfcheck.verify(decision, engine_fns={FLASHINFER_DSV4: flashinfer_here}, strict=False,
                                 device=CPU)
     assert kernels == {"decode": TRITON_DSV4, "prefill": TRITON_DSV4}

@@ -25,7 +25,7 @@ from kernel_cases import build_case  # noqa: E402
 from helpers import KERNEL_REL_TOL, against_guard_page, assert_kernel_close  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import triton as tk  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf  # noqa: E402
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan  # noqa: E402
+from mla_sm120_plugin.kernels.dsa import plan  # noqa: E402
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla  # noqa: E402
 
 KERNELS = {"exact": (tk._run, plan.EXACT, KERNEL_REL_TOL), "fast": (tf._run, plan.FAST, tf.TOLERANCE)}

@@ -31,7 +31,7 @@ from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin import sparse_mla_forward
 from mla_sm120_plugin.kernels.dsa import triton as tk
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 from test_reference import REF_REL_TOL  # the reference's own tolerance against float64
 

@@ -1,4 +1,4 @@
-"""The configuration table and the traffic model (kernels/dsa/triton_plan.py): pure Python, no GPU.
+"""The configuration table and the traffic model (kernels/dsa/plan.py): pure Python, no GPU.
 
 What the issue asks the model to show, for both Triton kernels on every family: at T=64, 4-16
 heads, top-k 2048 the modeled bytes stay within 1.25x of the minimum; at T=1, 8-16 heads, the
@@ -16,7 +16,7 @@ import pytest
 from helpers import clean_env
 
 from mla_sm120_plugin.kernels.dsa import layout
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 
 KERNELS = list(plan.KERNELS)
 FAMILIES = list(plan.FAMILIES)
@@ -155,7 +155,7 @@ def test_few_tokens_split_and_many_do_not():
 def test_the_table_is_deterministic_and_follows_its_rule():
     """No autotuning: the table a fresh process builds is the one this one has, and an entry is
     the rule's choice at its bucket's edge."""
-    code = ("import json; from mla_sm120_plugin.kernels.dsa import triton_plan as p; "
+    code = ("import json; from mla_sm120_plugin.kernels.dsa import plan as p; "
             "print(json.dumps({k: {str(key): v[0] for key, v in p.table(k, 'sm120').items()} for k in p.KERNELS}))")
     fresh = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=clean_env()).stdout)
     for kernel in KERNELS:
@@ -168,15 +168,15 @@ def test_the_table_is_deterministic_and_follows_its_rule():
 
 
 def test_families():
-    assert plan.family_of(12, 0) == "sm120" and plan.family_of(12, 1) == "sm121" and plan.family_of(9, 0) == "sm90"
-    assert plan.family_of(8, 9) == plan.DEFAULT_FAMILY
+    assert plan.gpu_family(12, 0) == "sm120" and plan.gpu_family(12, 1) == "sm121" and plan.gpu_family(9, 0) == "sm90"
+    assert plan.gpu_family(8, 9) == plan.DEFAULT_FAMILY
     # A smaller GPU fills its wave with fewer splits.
     assert (plan.launch_config(plan.FAST.name, 1, 16, 2048, "sm121").num_splits
             <= plan.launch_config(plan.FAST.name, 1, 16, 2048, "sm120").num_splits)
 
 
 def test_the_module_prints_the_model_and_the_table():
-    done = subprocess.run([sys.executable, "-m", "mla_sm120_plugin.kernels.dsa.triton_plan", "sm120", "--table"],
+    done = subprocess.run([sys.executable, "-m", "mla_sm120_plugin.kernels.dsa.plan", "sm120", "--table"],
                           capture_output=True, text=True, timeout=120, env=clean_env())
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -184,7 +184,7 @@ def test_the_module_prints_the_model_and_the_table():
     assert sum(re.match(r"triton_sparse_mla_fast +\d", line) is not None for line in lines) == len(plan.MUST_SHOW)
     assert any(line.startswith("triton_sparse_mla_fast on sm120: splits") for line in lines)
     # The torch-free promise: the plan imports neither torch nor triton.
-    code = ("import sys; import mla_sm120_plugin.kernels.dsa.triton_plan; "
+    code = ("import sys; import mla_sm120_plugin.kernels.dsa.plan; "
             "print('torch' in sys.modules, 'triton' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=clean_env())
     assert done.stdout.split() == ["False", "False"]

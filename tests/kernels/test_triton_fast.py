@@ -24,7 +24,7 @@ import triton.language as tl
 from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

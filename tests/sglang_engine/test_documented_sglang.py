@@ -1,6 +1,6 @@
 """Documented SGLang behaviour pinned from both sides, with SGLang 0.5.23's own objects on the CPU.
 
-- Config precedence (README "Use with SGLang", "Plugin config"; translate.contexts_from_sglang):
+- Config precedence (README "Use with SGLang", "Plugin config"; translate.inputs_from_sglang):
   ``--dsa-prefill-backend`` / ``--dsa-decode-backend`` and ``--mla-sm120-config`` (exported as
   ``MLA_SM120_SGLANG_CONFIG``) form the inline source, stronger than the TOML file
   (``config_file`` in the JSON, else ``MLA_SM120_CONFIG``); within it exact model name > glob >
@@ -29,7 +29,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import ServerArgs
 
 from mla_sm120_plugin.config import CONFIG_ENV
-from mla_sm120_plugin.context import context_from_json
+from mla_sm120_plugin.context import build_context, context_from_json
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
@@ -49,9 +49,12 @@ def _view(model: str, **kw):
 
 
 def _ctx(model: str, **kw):
-    """The context the launcher's hook builds for these ServerArgs on an SM120 GPU."""
+    """The context the launcher's hook builds for these ServerArgs on an SM120 GPU, undecided (the plan's
+    inputs as :func:`translate.inputs_from_sglang` reads them; a forced kernel that cannot run here is
+    the selection's business, not the precedence's)."""
     _, view = _view(model, **kw)
-    return translate.contexts_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 0))[dsa.KIND]
+    got = translate.inputs_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 0))
+    return build_context(got.facts, got.settings, got.device, got.kv_cache_dtype, got.limits)
 
 
 def _toml(tmp_path, name: str, text: str) -> str:
@@ -133,7 +136,7 @@ def test_within_mla_sm120_config_the_most_specific_section_wins(monkeypatch, glm
 
 
 def test_sections_match_the_served_model_name(monkeypatch, glm):
-    """translate.contexts_from_sglang: the model's name is ``--served-model-name`` when given, else
+    """translate.inputs_from_sglang: the model's name is ``--served-model-name`` when given, else
     ``--model-path``; sections are matched against it."""
     config = {"models": {"my-glm": {"decode_kernel": TRITON}, glm: {"decode_kernel": TORCH}}}
     monkeypatch.setenv(names.INLINE_CONFIG_ENV, json.dumps(config))
@@ -171,8 +174,9 @@ def test_draft_tokens_count_in_the_decode_bound(glm):
          speculative_num_draft_tokens=2),  # SGLang raises draft tokens to steps + 1 = 4
 ], ids=["auto-chosen", "raised-to-steps+1"])
 def test_the_decode_bound_covers_the_draft_tokens_sglang_resolves(glm, capability, monkeypatch, spec):
-    """README: the launcher decides from "--max-running-requests x draft tokens": the draft tokens
-    SGLang will run with, as its own speculative pass resolves them."""
+    """docs/architecture.md "SGLang: how the plugin serves it": the launcher decides from
+    "--max-running-requests x draft tokens": the draft tokens SGLang will run with, as its own
+    speculative pass resolves them."""
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sa, _ = _view(glm, max_running_requests=16, **spec)
@@ -233,11 +237,11 @@ SGLANG_IMPL_TO_PHASE = {"sglang-decode-impl": DECODE, "sglang-prefill-impl": PRE
 
 @pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)
 def test_each_forward_mode_gets_the_kernel_of_the_impl_sglang_picks(mode):
-    """README: "decode, target-verify and draft-extend with the decode kernel, prefill with the prefill
-    kernel": through SGLang's own dispatch (AttentionBackend.forward) and the hooked forward_decode /
-    forward_extend, every ForwardMode of SGLang 0.5.23 gets the plugin phase whose kernel serves the
-    impl SGLang itself chose (dsa_decode_impl -> decode kernel, dsa_prefill_impl -> prefill kernel);
-    IDLE reaches no kernel."""
+    """docs/architecture.md "SGLang: how the plugin serves it": "decode, target-verify and draft-extend
+    with the decode kernel, prefill with the prefill kernel": through SGLang's own dispatch
+    (AttentionBackend.forward) and the hooked forward_decode / forward_extend, every ForwardMode of
+    SGLang 0.5.23 gets the plugin phase whose kernel serves the impl SGLang itself chose
+    (dsa_decode_impl -> decode kernel, dsa_prefill_impl -> prefill kernel); IDLE reaches no kernel."""
     seen: list = []
     layer = types.SimpleNamespace(is_cross_attention=False, tp_q_head_num=4, v_head_dim=512)
     batch = types.SimpleNamespace(forward_mode=mode)

@@ -81,7 +81,8 @@ def test_the_plans_kernel_serves_sglangs_call_and_matches_float64(planned, token
     assert lse is None and out.shape == (tokens, 1, 16, 512) and out.dtype == torch.bfloat16
     assert EXACT_CLASS_BOUND.violations(measure(out[:, 0], want)) == []
     state = dsv4.bound_state()
-    assert {page: kind for page, (kind, _) in state.routes.items()} == {64: "c4a", 2: "c128a", 0: "window"}
+    assert {kind: b.decision.context.call.extra_page for kind, b in state.kinds.items()} == {
+        "c4a": 64, "c128a": 2, "window": 0}
     assert any("c4a self-check: " in r.getMessage() and "decode=triton_dsv4 ok" in r.getMessage()
                for r in planned.records)
 

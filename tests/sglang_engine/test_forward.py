@@ -171,8 +171,8 @@ def test_validator_takes_the_launchers_decision(tmp_path, capability, monkeypatc
         flash_mla_sm120._validate_flashinfer_sparse_mla_backend.__wrapped__(**args)
     # ... with the plugin, the launcher's decision stands, and the kernels are bound and checked.
     assert flash_mla_sm120._validate_flashinfer_sparse_mla_backend(**args) is True
-    state = dsa.bound_state()
-    assert (state.kernels["prefill"].name, state.kernels["decode"].name) == (TORCH, TRITON)
+    bound = dsa.bound_state().kinds[dsa.KIND]
+    assert (bound.kernels["prefill"].name, bound.kernels["decode"].name) == (TORCH, TRITON)
 
 
 def test_validator_without_a_launcher_decision_says_how_to_start(monkeypatch):
@@ -219,13 +219,13 @@ def test_without_the_opt_in_the_call_is_sglangs(monkeypatch):
 def _spy_on_bound_kernels(seen: list) -> None:
     from mla_sm120_plugin.dispatch.binding import BoundKernel
 
-    state = dsa.bound_state()
-    for phase, bound in list(state.kernels.items()):
+    kernels = dsa.bound_state().kinds[dsa.KIND].kernels
+    for phase, bound in list(kernels.items()):
         def fn(q, kv_cache, indices, _inner=bound.fn, _name=bound.name, **kwargs):
             seen.append((_name, q, kv_cache, indices, kwargs))
             return _inner(q, kv_cache, indices, **kwargs)
 
-        state.kernels[phase] = BoundKernel(bound.name, fn, bound.takes_scale_format, bound.needs_scale_format,
+        kernels[phase] = BoundKernel(bound.name, fn, bound.takes_scale_format, bound.needs_scale_format,
                                            bound.graph_safe)
 
 

@@ -80,17 +80,30 @@ def test_config_flag_refuses_what_is_not_a_json_object():
     assert done.returncode == 2 and "not JSON" in done.stderr
 
 
-def test_register_says_when_sglang_is_not_the_release_it_was_built_for():
-    code = ("import importlib.metadata as md, logging\n"
-            "real = md.version\n"
-            "md.version = lambda name: '0.5.99' if name == 'sglang' else real(name)\n"
-            "logging.basicConfig(level=logging.WARNING)\n"
-            "from sglang.srt.plugins import load_plugins\n"
-            "load_plugins()\n")
-    done = _run(code)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"mla_sm120: built for sglang {names.BUILT_FOR}, running on sglang 0.5.99" in done.stderr
-    assert "built for sglang" not in _run(code.replace("'0.5.99' if name == 'sglang' else ", "")).stderr
+ANOTHER_RELEASE = ("import importlib.metadata as md, logging\n"
+                   "real = md.version\n"
+                   "md.version = lambda name: '0.5.99' if name == 'sglang' else real(name)\n"
+                   "logging.basicConfig(level=logging.WARNING)\n")
+
+
+def test_another_sglang_release_is_refused_as_vllms_is():
+    """engines.release_refusal, SGLang's as vLLM's: under a release the hooks were not read from, the
+    plugin logs the refusal once and hooks nothing but its flags, and ``--mla-sm120`` stops the launch."""
+    from mla_sm120_plugin.engines import release_refusal
+
+    refusal = release_refusal("sglang", "0.5.99", f"serve without {names.FLAG}")
+    done = _run(ANOTHER_RELEASE + HOOKS_BY_PLUGIN, **{names.ENABLE_ENV: "1"})
+    out = _last_json(done)
+    assert out["targets"] == [flags.ADD_CLI_ARGS]  # the flags only, though enabled
+    assert done.stderr.count("mla_sm120: not hooking SGLang: ") == 1
+    assert f"mla_sm120: not hooking SGLang: {refusal.replace(chr(10), '; ')}" in done.stderr
+    assert "given: SGLang 0.5.99; supported: SGLang 0.5.23" in done.stderr
+    parsed = _run(ANOTHER_RELEASE + PARSE.replace("sys.argv[1:]", repr([names.FLAG])))
+    assert parsed.returncode == 2 and refusal.splitlines()[0] in parsed.stderr
+    assert "fix: serve without --mla-sm120; or pip install" in parsed.stderr
+    # The supported release: nothing said, every hook in place.
+    done = _run(HOOKS_BY_PLUGIN, **{names.ENABLE_ENV: "1"})
+    assert "not hooking" not in done.stderr and _last_json(done)["missing"] == []
 
 
 def test_register_is_idempotent_and_quiet():

@@ -141,25 +141,26 @@ def test_without_the_opt_in_resolution_is_sglangs(tmp_path, capability, monkeypa
 
 
 def test_check_and_sglang_build_the_same_context(tmp_path, capability, monkeypatch):
-    from mla_sm120_plugin.context import EngineLimits, build_context, plugin_config
+    from mla_sm120_plugin.context import EngineLimits, plugin_config
     from mla_sm120_plugin.device import parse_device
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.modelinfo import resolve_model
+    from mla_sm120_plugin.plan import plan
 
     capability(12, 1)
     model = write_model(tmp_path, "dsv32", index_topk=1024)
     sa = server_args(model, kv_cache_dtype="fp8_e4m3", tp_size=8, chunked_prefill_size=4096,
                       max_running_requests=16, disable_cuda_graph=True)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
-    from_sglang = translate.contexts_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1))[dsa.KIND]
+    from_sglang = translate.plan_from_sglang(view, overrides.model_config_of(view).hf_config, (12, 1)).decision.context
     # What `mla-sm120 check --engine sglang --model <dir> --sm 12.1 --tp 8 --kv-cache-dtype fp8_e4m3
     # --max-decode-tokens 16 --max-prefill-tokens 4096 --enforce-eager` builds.
     reg = get_registry()
     facts = resolve_model(model, registry=reg)
-    from_check = build_context(facts, plugin_config(None, kernel_names=reg.kernels).for_model(facts.name, facts.arch),
-                               parse_device("12.1", source="--sm"), "fp8_e4m3",
-                               EngineLimits(tensor_parallel_size=8, max_decode_tokens=16, max_prefill_tokens=4096,
-                                            cuda_graphs=False, engine="sglang"))
+    from_check = plan(facts, plugin_config(None, kernel_names=reg.kernels).for_model(facts.name, facts.arch),
+                      parse_device("12.1", source="--sm"), "fp8_e4m3",
+                      EngineLimits(tensor_parallel_size=8, max_decode_tokens=16, max_prefill_tokens=4096,
+                                   cuda_graphs=False, engine="sglang")).decision.context
     differ = {f for f in from_check.__dataclass_fields__ if getattr(from_check, f) != getattr(from_sglang, f)}
     assert differ == {"device"}, differ  # where the device came from: planned (--sm) or SGLang's GPU
     assert from_sglang.device.sm == from_check.device.sm == "12.1"
@@ -186,10 +187,10 @@ def test_check_plans_auto_as_sglang_does(tmp_path):
     for sm, layout_ in (("12.0", "fp8_ds_mla"), ("12.1", "fp8_ds_mla")):
         res = run_cli("check", "--engine", "sglang", "--model", model, "--sm", sm, "--kv-cache-dtype", "auto", "--json")
         assert res.returncode == 0, res.stderr
-        assert json.loads(res.stdout)["kv_cache_dtype"] == layout_
+        assert json.loads(res.stdout)["kv_cache"]["name"] == layout_
     # vLLM's auto with the CUSTOM backend stays the model's bf16.
     res = run_cli("check", "--model", model, "--sm", "12.0", "--kv-cache-dtype", "auto", "--json")
-    assert json.loads(res.stdout)["kv_cache_dtype"] == "bf16"
+    assert json.loads(res.stdout)["kv_cache"]["name"] == "bf16"
 
 
 def test_check_speaks_sglang_for_a_model_it_does_not_serve(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import cpu_memory  # benchmarks/ is on pytest's pythonpath
 from helpers import ON_GPU
 from mla_sm120_plugin.tools import bench
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 
 
 def _clear_refs_writable() -> bool:

@@ -25,7 +25,7 @@ from helpers import clean_env, run_cli
 from mla_sm120_plugin.tools import compile_gate
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton as tk
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsv4 import plan as dsv4_plan
 
 
@@ -171,7 +171,7 @@ def test_exact_variants_use_bf16_mmas(gate):
 def test_the_plan_assumes_no_more_ctas_per_sm_than_compiled(gate):
     """The configuration tables size their waves with each kernel's CTAs per SM: never more than the
     compiler's (the DeepSeek-V4 kernel's per record, split and unsplit)."""
-    family = plan.family_of(gate["arch"] // 10, gate["arch"] % 10)
+    family = plan.gpu_family(gate["arch"] // 10, gate["arch"] % 10)
     for kernel, shape in (("sparse_mla", plan.EXACT), (compile_gate.FAST_KERNEL, plan.FAST)):
         rows = [v for v in gate["variants"]
                 if v["kernel"] == kernel and (kernel != "sparse_mla" or layout.get(_caches(v)[0]).fp8)]

@@ -16,6 +16,8 @@ from mla_sm120_plugin import cli
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 
+from helpers import decision_of
+
 
 def _toml(tmp_path, text: str, name: str = "mla.toml") -> str:
     path = tmp_path / name
@@ -31,7 +33,7 @@ def _check_kernels(capsys, *argv: str) -> dict[str, str]:
     rc = cli.main(["check", "--model", "glm-5", "--sm", "12.0", "--json", *argv])
     out, err = capsys.readouterr()
     assert rc == cli.EXIT_OK, err
-    return json.loads(out)["kernels"]
+    return decision_of(json.loads(out))["kernels"]
 
 
 def test_check_without_any_source_decides_by_priority(capsys):

@@ -16,7 +16,7 @@ from mla_sm120_plugin.types import KernelSpec, ModelProfile
 from helpers import DEMO_BROKEN as BROKEN
 from helpers import DEMO_FAULTY_HOOKS as FAULTY_HOOKS
 from helpers import demo_plugins_except as _block_except
-from helpers import run_cli
+from helpers import decision_of, run_cli
 from unit_helpers import _edge_ctx
 
 
@@ -94,12 +94,12 @@ def test_third_party_kernel_is_selected_where_its_envelope_fits(demo_plugin_path
     res = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--json",
                   env=_block_except(), pythonpath=demo_plugin_path)
     assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = decision_of(json.loads(res.stdout))
     assert data["kernels"]["decode"] == "demo_sparse_mla"
     assert data["kernels"]["prefill"] != "demo_sparse_mla"  # decode-only kernel
     # TP1: 64 heads, outside its envelope; it is rejected with the reason.
     res = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--json", env=_block_except(), pythonpath=demo_plugin_path)
-    data = json.loads(res.stdout)
+    data = decision_of(json.loads(res.stdout))
     assert data["kernels"]["decode"] != "demo_sparse_mla"
     reasons = [r["reasons"] for r in data["rejected"] if r["kernel"] == "demo_sparse_mla" and r["phase"] == "decode"]
     assert reasons == [["heads per rank 64 outside [4, 4]"]]
@@ -109,8 +109,8 @@ def test_third_party_profile_is_served(demo_plugin_path):
     res = run_cli("check", "--model", "demo-dsa", "--sm", "12.1", "--json", env=_block_except(), pythonpath=demo_plugin_path)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert data["model_arch"] == "DemoDsaForCausalLM"
-    assert data["index_topk"] == 512 and data["scale_format"] == "pow2"
+    assert data["model_arch"] == "DemoDsaForCausalLM" and data["family"] == "dsa"
+    assert decision_of(data)["index_topk"] == 512 and decision_of(data)["scale_format"] == "pow2"
 
 
 def test_doctor_lists_the_third_party_plugin(demo_plugin_path):
@@ -206,3 +206,33 @@ def test_a_select_hook_sees_the_context_and_the_phase():
     d = select(_edge_ctx(heads=16, cuda_graphs=False), registry=reg)
     assert d.decode == TORCH and d.prefill != TORCH
     assert select(_edge_ctx(heads=32, cuda_graphs=False), registry=reg).decode != TORCH
+
+
+def test_doctor_runs_a_third_party_hook_on_every_familys_contexts():
+    """doctor plans every profile as its family shapes it, so a plugin's validate and select hooks see
+    DeepSeek-V4's layer kinds as well as DSA's one context; a hook that breaks on one kind is a fault."""
+    from mla_sm120_plugin import cli
+
+    seen: dict[str, set] = {"validate": set(), "select": set()}
+    broken = []
+
+    class Spy:
+        @hookimpl
+        def mla_sm120_validate(self, ctx):
+            seen["validate"].add((ctx.family, ctx.call.kind if ctx.call is not None else None))
+            return []
+
+        @hookimpl
+        def mla_sm120_select(self, ctx, phase, candidates):
+            seen["select"].add(ctx.family)
+            if broken and ctx.call is not None and ctx.call.kind == "c128a":
+                raise RuntimeError("spy cannot rank c128a")
+            return None
+
+    reg = build_registry(load_entry_points=False, extra_plugins={"spy": Spy()})
+    assert cli._hook_faults(reg) == []
+    assert {("dsa", None), ("dsv4", "c4a"), ("dsv4", "c128a"), ("dsv4", "window")} <= seen["validate"]
+    assert seen["select"] == {"dsa", "dsv4"}
+    broken.append(True)
+    faults = cli._hook_faults(reg)
+    assert len(faults) == 1 and "hook mla_sm120_select raised RuntimeError: spy cannot rank c128a" in faults[0]

@@ -82,9 +82,9 @@ LAYERS = (
     ("errors", "envs"),                                      # leaves: error types, environment variable names
     ("kernels",),                                            # pure kernels and the bytes they read
     ("files", "types", "device", "engines", "config"),       # facts and settings
-    ("hooks", "modelinfo", "profiles", "rules"),             # the hook mechanism; the built-in profiles and rules
+    ("hooks", "modelinfo", "profiles", "rules", "families"),  # the hook mechanism; built-in profiles, pages, families
     ("selection", "context"),                                # the constraint matrix, the context builder
-    ("families", "plan", "report"),                          # a model's plan per layer kind, rendered
+    ("plan", "report"),                                      # a model's plan per layer kind, rendered
     ("dispatch",),                                # catalog, binding, public entry, FlashInfer, self-check
     ("tools",),                                   # compile gate, bench
     ("integration", "cli", "__init__"),           # the engines' and the user's doors
@@ -191,3 +191,42 @@ def test_a_package_map_names_every_module_it_holds(package):
     held += sorted(p.name for p in package.iterdir() if (p / "__init__.py").exists())
     unnamed = [name for name in held if not re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", doc)]
     assert not unnamed, f"{package.relative_to(PACKAGE)}/__init__.py does not name {unnamed}"
+
+
+# The rooms every model family shares: they ask a family through the table (mla_sm120_plugin.families)
+# and never name one; a family is its families/ module, its kernel folder and its self-check case.
+SHARED_ROOMS = ("plan.py", "report.py", "selection.py", "rules.py", "context.py", "dispatch/selfcheck.py",
+                "dispatch/bound.py", "integration/vllm/translate.py", "integration/sglang/translate.py",
+                "integration/sglang/bound.py")
+
+
+def _family_names() -> set[str]:
+    return {p.stem for p in (PACKAGE / "families").glob("*.py") if p.stem not in ("__init__", "base")}
+
+
+@pytest.mark.parametrize("room", SHARED_ROOMS)
+def test_a_shared_room_names_no_model_family(room):
+    path = PACKAGE / room
+    names = _family_names()
+    assert {"dsa", "dsv4"} <= names  # the built-in families, each a module of its own
+    own = {f"mla_sm120_plugin.families.{name}" for name in names} | {"mla_sm120_plugin.kernels.dsv4"}
+    imported = sorted(m for m in package_imports(path) if any(m == o or m.startswith(o + ".") for o in own))
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    literals = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                       and id(n) not in docstrings and (n.value in names or n.value.startswith("dsv4"))})
+    assert not imported and not literals, f"{room} names a family: imports {imported}, literals {literals}"
+
+
+def test_the_family_check_sees_a_room_that_names_one(tmp_path, monkeypatch):
+    """The check above reads imports and literals (else it could not fail)."""
+    fake = tmp_path / "mla_sm120_plugin"
+    (fake / "families").mkdir(parents=True)
+    for rel in ("__init__.py", "families/__init__.py", "families/dsa.py", "families/dsv4.py"):
+        (fake / rel).write_text("")
+    (fake / "plan.py").write_text('"""doc naming dsv4."""\nfrom .families.dsv4 import NAME\nif x == "dsa":\n    pass\n')
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    with pytest.raises(AssertionError, match=r"imports \['mla_sm120_plugin.families.dsv4'\], literals \['dsa'\]"):
+        test_a_shared_room_names_no_model_family("plan.py")

@@ -8,6 +8,7 @@ given / supported / fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,7 +55,7 @@ def test_v4_flash_is_planned_at_each_tp(engine, device, tp, heads):
     assert set(plan.decisions) == V4_FLASH_KINDS
     assert set(plan.kernels().values()) == {FLASHINFER_DSV4}
     for kind, decision in plan.decisions.items():
-        call = decision.context.dsv4
+        call = decision.context.call
         # every count is one FlashInfer lists, so neither engine pads
         assert (call.decode_heads, call.prefill_heads) == (heads, heads)
         assert call.window == 128 and call.window_page == 64
@@ -63,16 +64,16 @@ def test_v4_flash_is_planned_at_each_tp(engine, device, tp, heads):
         assert call.pages_at_call == ({"vllm": 64, "sglang": 256}[engine], call.extra_page)
         assert decision.context.kv_cache_dtype == "fp8_dsv4" and decision.classes == {"prefill": "fast",
                                                                                         "decode": "fast"}
-    c4a = plan.decisions["c4a"].context.dsv4
+    c4a = plan.decisions["c4a"].context.call
     assert (c4a.extra, c4a.extra_page) == (512, 64)  # the indexer's top-k; 256-token pages of 4-token entries
-    assert plan.decisions["c128a"].context.dsv4.extra_page == 2
-    assert plan.decisions["window"].context.dsv4.extra == 0
+    assert plan.decisions["c128a"].context.call.extra_page == 2
+    assert plan.decisions["window"].context.call.extra == 0
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_v4_pro_at_tp8(engine):
     plan = _plan("deepseek-v4-pro", engine=engine, tp=8)
-    call = plan.decisions["c4a"].context.dsv4
+    call = plan.decisions["c4a"].context.call
     assert (call.decode_heads, call.extra) == (16, 1024)
     assert set(plan.kernels().values()) == {FLASHINFER_DSV4}
 
@@ -142,17 +143,17 @@ def test_vllm_56837_shape_is_served():
                            "compress_ratios": [0, 1, 2, 1, 0], "o_groups": 8, "sliding_window": 128}}
     plan = _plan(_facts(cfg))
     assert plan.facts.dsv4.version == "v4.1" and plan.facts.dsv4.draft_layers == 1
-    assert {k: d.context.dsv4.layers for k, d in plan.decisions.items()} == {"window": 2, "c1a": 2, "c2a": 1}
-    c1a = plan.decisions["c1a"].context.dsv4
+    assert {k: d.context.call.layers for k, d in plan.decisions.items()} == {"window": 2, "c1a": 2, "c2a": 1}
+    c1a = plan.decisions["c1a"].context.call
     assert (c1a.extra, c1a.extra_page, c1a.window_page, c1a.decode_heads) == (1152, 128, 32, 64)
 
 
 def test_dspark_widens_vllms_decode_rows_and_wide_calls_take_the_prefill_form():
     plan = _plan("deepseek-v4-flash", speculative_tokens=7, dspark=True, max_decode_tokens=512)
-    call = plan.decisions["c4a"].context.dsv4
+    call = plan.decisions["c4a"].context.call
     assert (call.window, call.prefill_window) == (192, 128)  # cdiv(128 + 7, 64) * 64
     sglang = _plan("deepseek-v4-flash", engine="sglang", speculative_tokens=7, dspark=True)
-    assert sglang.decisions["c4a"].context.dsv4.window == 128
+    assert sglang.decisions["c4a"].context.call.window == 128
 
 
 def test_a_window_off_flashinfers_prefill_tile_falls_back_only_where_that_form_runs():
@@ -179,7 +180,7 @@ def test_sglang_prefill_keeps_the_ranks_heads_and_flashinfer_has_no_such_prefill
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 96,
            "index_topk": 512, "o_groups": 8}
     vllm = _plan(_facts(cfg), tp=2)
-    assert vllm.decisions["c128a"].context.dsv4.prefill_heads == 64
+    assert vllm.decisions["c128a"].context.call.prefill_heads == 64
     assert set(vllm.kernels().values()) == {FLASHINFER_DSV4}
     sglang = _plan(_facts(cfg), engine="sglang", tp=2)
     assert sglang.kernels()[("c128a", "prefill")] == TRITON_DSV4
@@ -204,7 +205,7 @@ def test_transformers_own_config_is_read_layer_by_layer(tmp_path):
     for t in cfg.layer_types:
         want[ratio[t]] = want.get(ratio[t], 0) + 1
     want["window"] = want.get("window", 0) + cfg.num_nextn_predict_layers  # the MTP layer(s)
-    assert counts == want and plan["layers_known"] is True
+    assert counts == want and plan["details"]["layers_known"] is True
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -238,8 +239,17 @@ def test_a_dsa_selection_refuses_a_dsv4_model_and_the_reverse():
     facts = resolve_model("deepseek-v4-flash", registry=REG)
     settings = load_config(None, kernel_names=REG.kernels).for_model(facts.name, facts.arch)
     ctx = build_context(facts, settings, SM120, "fp8_ds_mla", EngineLimits())
-    with pytest.raises(UnsupportedConfiguration, match="decided as one latent cache|per layer kind"):
+    assert ctx.family == "dsv4" and ctx.call is None  # the base context, before the family shapes it
+    with pytest.raises(UnsupportedConfiguration, match="decided as a context of family 'dsv4' without a layer kind's"):
         select(ctx, registry=REG)
+    # the reverse: a DSA model's context carrying a DeepSeek-V4 call
+    glm = resolve_model("glm-5", registry=REG)
+    dsa = build_context(glm, load_config(None, kernel_names=REG.kernels).for_model(glm.name, glm.arch), SM120,
+                        "fp8_ds_mla", EngineLimits())
+    call = _plan("deepseek-v4-flash").decisions["c4a"].context.call
+    wrong = dataclasses.replace(dsa, call=call)
+    with pytest.raises(UnsupportedConfiguration, match="decided as a context of family 'dsa' with a layer kind's"):
+        select(wrong, registry=REG)
 
 
 def test_a_layer_kinds_context_survives_the_json_round_trip():
@@ -261,11 +271,12 @@ def test_check_prints_a_row_per_kind_and_phase_and_the_opt_in():
 
 def test_the_json_says_the_record_and_its_capacity():
     data = report.to_dict(_plan("deepseek-v4-pro", tp=8))
-    assert data["kv_record"] == {"name": "fp8_dsv4", "token_bytes": 584}
+    assert data["family"] == "dsv4" and data["kv_cache"] == {"name": "fp8_dsv4", "token_bytes": 584}
     capacity = data["layer_kinds"]["c4a"]["decision"]["capacity"]
-    assert capacity == {"layouts": {"fp8_dsv4": {"token_bytes": 584, "tokens_per_gib": (1 << 30) // 584}},
+    assert capacity == {"scope": "cache entries a GiB holds, per layer",
+                        "layouts": {"fp8_dsv4": {"token_bytes": 584, "tokens_per_gib": (1 << 30) // 584}},
                         "ratio_vs": {}}  # not the DSA layouts' 656 / 1152 bytes
-    assert data["compressed_bytes_per_token"] == {"c128a": 584 / 128, "c4a": 146.0}
+    assert data["details"]["compressed_bytes_per_token"] == {"c128a": 584 / 128, "c4a": 146.0}
 
 
 # ----------------------------------------------------------------------- the 384-byte NVFP4 record
@@ -286,10 +297,11 @@ def test_nvfp4_is_planned_for_vllm_with_the_capacity_it_buys():
                     ("window", "prefill"): FLASHINFER_DSV4, ("window", "decode"): FLASHINFER_DSV4}
     plan = _plan("deepseek-v4-flash", tp=4, kv="nvfp4_ds_mla")
     data = report.to_dict(plan)
-    assert data["kv_record"] == {"name": "nvfp4_dsv4", "token_bytes": 384}
-    assert data["capacity"]["ratio"] == 1.52
-    assert data["capacity"]["tokens_per_gib"]["nvfp4_dsv4"] > data["capacity"]["tokens_per_gib"]["fp8_dsv4"]
-    assert data["compressed_bytes_per_token"] == {"c128a": 3.0, "c4a": 96.0}
+    assert data["kv_cache"] == {"name": "nvfp4_dsv4", "token_bytes": 384}
+    assert data["capacity"]["ratio_vs"] == {"fp8_dsv4": 1.52}
+    layouts = data["capacity"]["layouts"]
+    assert layouts["nvfp4_dsv4"]["tokens_per_gib"] > layouts["fp8_dsv4"]["tokens_per_gib"]
+    assert data["details"]["compressed_bytes_per_token"] == {"c128a": 3.0, "c4a": 96.0}
 
 
 def test_nvfp4_is_refused_on_sm90_and_where_the_plugin_writes_no_such_record():

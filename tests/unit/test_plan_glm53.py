@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli
+from helpers import decision_of, run_cli
 from model_configs import write_model
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
@@ -25,7 +25,7 @@ def test_flashinfer_serves_both_phases_at_tp8(engine, sm):
     res = run_cli("check", "--engine", engine, "--model", "glm-5.3-flash", "--sm", sm, "--tp", "8",
                   "--kv-cache-dtype", spelling, "--json")
     assert res.returncode == 0, res.stderr
-    plan = json.loads(res.stdout)
+    plan = decision_of(json.loads(res.stdout))
     assert plan["kernels"] == {"prefill": FLASHINFER, "decode": FLASHINFER}
     assert (plan["kv_cache_dtype"], plan["index_topk"], plan["heads_per_rank"]) == (layout_name, width, 8)
     assert plan["profile"] == "glm-5.3-flash" and plan["scale_format"] == "arbitrary"
@@ -39,7 +39,7 @@ def test_the_cache_flag_gives_the_rope_less_rows(engine, spelling, layout_name):
     res = run_cli("check", "--engine", engine, "--model", "glm-5.3-flash", "--sm", "12.0", "--tp", "8",
                   "--kv-cache-dtype", spelling, "--json", "--enforce-eager")
     plan = json.loads(res.stdout)
-    assert plan.get("kv_cache_dtype", plan) == layout_name, plan
+    assert plan["kv_cache"]["name"] == layout_name, plan
 
 
 def test_a_model_directory_is_planned_from_its_own_config(tmp_path):
@@ -47,7 +47,7 @@ def test_a_model_directory_is_planned_from_its_own_config(tmp_path):
     res = run_cli("check", "--model", model, "--sm", "12.1", "--tp", "8", "--json")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
-    assert (plan["model_arch"], plan["kv_cache_dtype"], plan["index_topk"]) == (
+    assert (plan["model_arch"], plan["kv_cache"]["name"], decision_of(plan)["index_topk"]) == (
         "Glm5NextForCausalLM", "fp8_ds_mla_nope", 2176)
 
 

@@ -14,9 +14,9 @@ import json
 
 import pytest
 import torch
-from helpers import assert_three_parts
+from helpers import assert_three_parts, decision_of
 
-from mla_sm120_plugin import cli
+from mla_sm120_plugin import cli, families
 from mla_sm120_plugin.dispatch import catalog, selfcheck, selfcheck_dsa
 from mla_sm120_plugin.dispatch.binding import bind
 from mla_sm120_plugin.errors import ConfigError
@@ -52,6 +52,7 @@ def test_check_plans_sm12x_at_every_tp_and_says_the_sink_is_applied(model_dir, c
         for tp in ("1", "2", "4", "8"):
             rc, report = _check(capsys, "--engine", engine, "--model", model_dir, "--sm", sm, "--tp", tp)
             assert rc == 0, report
+            report = decision_of(report)
             kernels = report["kernels"]
             assert set(kernels) == {"decode", "prefill"}
             sink_note = [n for n in report["notes"] if n.startswith("sinks: ")]
@@ -110,8 +111,8 @@ def _decision(model_dir, engine="vllm"):
 
     facts = resolve_model(model_dir, registry=get_registry())
     device = DeviceInfo(vendor="nvidia", sm_major=12, sm_minor=0, name="planned", source="--sm")
-    planned = plan(facts, config_mod.Settings(), device, check_kv_cache_dtype(facts, engine, None),
-                   EngineLimits(tensor_parallel_size=4, engine=engine))
+    limits = EngineLimits(tensor_parallel_size=4, engine=engine)
+    planned = plan(facts, config_mod.Settings(), device, check_kv_cache_dtype(facts, limits.facts, None), limits)
     return next(iter(planned.decisions.values()))
 
 
@@ -120,7 +121,7 @@ def test_a_kernel_that_applies_no_sink_is_no_candidate(model_dir):
     ctx = decision.context
     assert ctx.sinks
     for spec in get_registry().kernels.values():
-        if spec.family == "dsa":
+        if families.of_kernel(spec).name == "dsa":
             assert spec.sinks  # every built-in DSA kernel applies one
             sinkless = dataclasses.replace(spec, sinks=False)
             assert any("applies no attention sink" in r for r in envelope_reasons(sinkless, ctx, "decode", None))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli
+from helpers import decision_of, run_cli
 
 GIB = 1 << 30
 
@@ -33,9 +33,11 @@ def test_check_json_carries_the_capacity_and_fast_precision_still_plans():
     res = run_cli("check", "--model", "deepseek-v3.2", "--sm", "12.0", "--tp", "8", "--kv-cache-dtype",
                   "nvfp4_ds_mla", "--precision", "fast", "--json")
     assert res.returncode == 0, res.stderr
-    decision = json.loads(res.stdout)
+    report = json.loads(res.stdout)
+    decision = decision_of(report)
     assert decision["kernels"] == {"prefill": "triton_sparse_mla", "decode": "triton_sparse_mla"}
-    cap = decision["capacity"]
+    cap = report["capacity"]
+    assert cap == decision["capacity"] | {"scope": cap["scope"]}  # one kind: the plan's capacity is its decision's
     assert cap["layouts"]["nvfp4_ds_mla"] == {"token_bytes": 352, "tokens_per_gib": GIB // 352}
     assert cap["ratio_vs"] == {"fp8_ds_mla": round((GIB // 352) / (GIB // 656), 2), "bf16": round((GIB // 352) / (GIB // 1152), 2)}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts
+from helpers import assert_three_parts, decision_of, run_cli
 
 from mla_sm120_plugin import cli
 from mla_sm120_plugin.engines import RELEASES, installed_release
@@ -65,8 +65,9 @@ def test_the_new_models_plan_on_sm12x_under_vllm_034(tmp_path, capsys, name):
             for tp in ("1", "8"):
                 rc, report = _check(capsys, "--model", model, "--sm", sm, "--tp", tp, "--engine-version", "0.34.0")
                 assert rc == 0, report
-                assert set(report["kernels"]) == {"decode", "prefill"} and all(report["kernels"].values())
                 assert report["engine_release"] == "0.34.0"
+                report = decision_of(report)
+                assert set(report["kernels"]) == {"decode", "prefill"} and all(report["kernels"].values())
                 assert report["kv_cache_dtype"] == "fp8_ds_mla"  # 512 + 64: the ordinary 656-byte row
                 if model == model_dir:  # the config's own heads and top-k, not the profile's defaults
                     assert report["heads_per_rank"] == cfg["num_attention_heads"] // int(tp)
@@ -130,7 +131,7 @@ def test_the_rope_less_fp8_row_follows_the_release(capsys):
         rc, report = _check(capsys, "--model", "glm-5.3-flash", "--sm", "12.0", "--kv-cache-dtype", "fp8_ds_mla",
                             "--engine-version", release)
         assert rc == 0, report
-        layouts[release] = report["kv_cache_dtype"]
+        layouts[release] = report["kv_cache"]["name"]
     assert layouts == {"0.33.0": "fp8_ds_mla_nope", "0.34.0": "fp8_nope"}
 
 
@@ -161,3 +162,26 @@ def test_kimi_with_dense_mla_layers_is_refused_under_the_opt_in(tmp_path, capsys
     assert_three_parts(report["stderr"])
     assert "has 1 dense MLA layer(s) (MLA layers outside dsa_config.dsa_layers)" in report["stderr"]
     assert "fix: serve this model without --attention-backend CUSTOM" in report["stderr"]
+
+
+def test_the_capacity_compares_only_the_planned_releases_layouts(capsys):
+    """The release travels in the context: GLM-5.3-Flash's 528-byte rows under 0.34 are compared with
+    0.34's bf16 rows, never with the 656-byte layout only 0.33 writes for it (and the reverse)."""
+    compared = {}
+    for release in RELEASES["vllm"]:
+        rc, report = _check(capsys, "--model", "glm-5.3-flash", "--sm", "12.0", "--tp", "4", "--engine-version",
+                            release)
+        assert rc == 0, report
+        compared[release] = {name: v["token_bytes"] for name, v in report["capacity"]["layouts"].items()}
+    assert compared == {"0.33.0": {"fp8_ds_mla_nope": 656, "bf16_nope": 1024},
+                        "0.34.0": {"fp8_nope": 528, "bf16_nope": 1024}}
+
+
+def test_the_dsv4_nvfp4_capacity_note_names_the_planned_release():
+    for release in RELEASES["vllm"]:
+        res = run_cli("check", "--model", "deepseek-v4-flash", "--sm", "12.0", "--tp", "4", "--kv-cache-dtype",
+                      "nvfp4_ds_mla", "--engine-version", release)
+        assert res.returncode == 0, res.stderr
+        (capacity,) = [line for line in res.stdout.splitlines() if line.startswith("capacity:")]
+        assert f"vLLM {release} gives every block a page of each cache" in capacity
+        assert all(other not in capacity for other in RELEASES["vllm"] if other != release)

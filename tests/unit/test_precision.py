@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts, run_cli
+from helpers import assert_three_parts, decision_of, run_cli
 
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TRITON, TRITON_FAST, TRITON_FAST_SPEC
@@ -77,16 +77,16 @@ def test_a_forced_fast_kernel_under_exact_is_refused_naming_the_setting():
 def test_the_toml_switches_the_kernel(tmp_path):
     toml = tmp_path / "mla_sm120.toml"
     toml.write_text('[architectures.GlmMoeDsaForCausalLM]\nprecision = "exact"\n')
-    fast = json.loads(run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--json").stdout)
+    fast = decision_of(json.loads(run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--json").stdout))
     exact = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--json", "--config", str(toml))
     assert exact.returncode == 0, exact.stderr
-    exact = json.loads(exact.stdout)
+    exact = decision_of(json.loads(exact.stdout))
     assert (fast["precision"], fast["kernels"]["prefill"]) == ("fast", TRITON_FAST)
     assert (exact["precision"], exact["kernels"]["prefill"]) == ("exact", TRITON_FAST)
     # Where FlashInfer would serve decode, exact keeps to the Triton kernel.
     bounded = ["check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--max-decode-tokens", "64", "--json"]
-    assert json.loads(run_cli(*bounded).stdout)["kernels"]["decode"] == FLASHINFER
-    exact = json.loads(run_cli(*bounded, "--config", str(toml)).stdout)
+    assert decision_of(json.loads(run_cli(*bounded).stdout))["kernels"]["decode"] == FLASHINFER
+    exact = decision_of(json.loads(run_cli(*bounded, "--config", str(toml)).stdout))
     assert exact["kernels"]["decode"] == TRITON_FAST
     table = run_cli("check", "--model", "glm-5", "--sm", "12.0", "--tp", "16", "--precision", "exact").stdout
     assert "precision  exact (exact-class kernels only" in table
@@ -116,25 +116,25 @@ def test_the_fast_kernels_declared_bound_is_the_kernels_own():
 
 
 def test_bench_traffic_prints_the_model_and_the_tables():
-    from mla_sm120_plugin.kernels.dsa import triton_plan
+    from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
-    for family in triton_plan.FAMILIES:
+    for family in dsa_plan.FAMILIES:
         res = run_cli("bench", "--traffic", family)
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(f"family {family}")
-        assert all(f"{kernel} on {family}: splits" in res.stdout for kernel in triton_plan.KERNELS)
+        assert all(f"{kernel} on {family}: splits" in res.stdout for kernel in dsa_plan.KERNELS)
 
 
 def test_bench_traffic_json_is_json_with_the_same_numbers():
-    from mla_sm120_plugin.kernels.dsa import triton_plan
+    from mla_sm120_plugin.kernels.dsa import plan as dsa_plan
 
     res = run_cli("bench", "--traffic", "sm120", "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
-    assert report["family"] == "sm120" and report["ctas_per_sm"][TRITON_FAST] == triton_plan.FAST.ctas_per_sm["sm120"]
-    assert len(report["plans"]) == len(triton_plan.KERNELS) * len(triton_plan.MUST_SHOW)
+    assert report["family"] == "sm120" and report["ctas_per_sm"][TRITON_FAST] == dsa_plan.FAST.ctas_per_sm["sm120"]
+    assert len(report["plans"]) == len(dsa_plan.KERNELS) * len(dsa_plan.MUST_SHOW)
     first = report["plans"][0]
-    assert first == json.loads(json.dumps(triton_plan.plan_report(first["kernel"], first["num_tokens"],
+    assert first == json.loads(json.dumps(dsa_plan.plan_report(first["kernel"], first["num_tokens"],
                                                                   first["num_heads"], first["topk"], "sm120")))
     text = run_cli("bench", "--traffic", "sm120").stdout
     for row in report["tables"][TRITON_FAST]:

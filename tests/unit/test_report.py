@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from helpers import decision_of
 from unit_helpers import _edge_ctx, _edge_registry
 
 from mla_sm120_plugin import cli
@@ -51,7 +52,10 @@ def test_check_json_reports_the_decision(capsys):
     """README: ``check --json``: machine-readable: the model, device, cache, shape and each kernel."""
     assert cli.main(["check", "--model", "zai-org/GLM-5-FP8", "--sm", "12.1", "--tp", "8", "--json",
                      "--kv-cache-dtype", "bf16"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    top = json.loads(capsys.readouterr().out)
+    assert (top["servable"], top["family"], top["engine"], top["kv_cache"]) == (
+        True, "dsa", "vllm", {"name": "bf16", "token_bytes": 1152})
+    report = decision_of(top)  # a DSA model: one layer kind
     assert report["servable"] is True
     assert (report["model_arch"], report["model_name"], report["profile"]) == (GLM_ARCH, "zai-org/GLM-5-FP8", "glm-5")
     assert report["device"] == {"sm": "12.1", "vendor": "nvidia", "name": report["device"]["name"], "source": "--sm"}
@@ -63,3 +67,25 @@ def test_check_json_reports_the_decision(capsys):
     assert all(r["reasons"][0].startswith("reads kv_cache_dtype ['fp8_ds_mla'") and r["reasons"][0].endswith("], not bf16")
                for r in fi)
     assert isinstance(report["notes"], list)
+
+
+def test_check_json_has_one_schema_for_every_family(capsys):
+    """README "The main job": one ``check --json`` schema for every model: the same top-level keys for
+    a DSA model (one layer kind, ``dsa``) and DeepSeek-V4 (a kind per layer type), each kind with its
+    call, kernels, classes and decision, and the capacity saying what it counts."""
+    reports = {}
+    for model in ("glm-5", "deepseek-v4-flash"):
+        assert cli.main(["check", "--model", model, "--sm", "12.0", "--tp", "4", "--json"]) == 0
+        reports[model] = json.loads(capsys.readouterr().out)
+    glm, v4 = reports["glm-5"], reports["deepseek-v4-flash"]
+    assert list(glm) == list(v4) == ["servable", "family", "model_arch", "model_name", "engine", "engine_release",
+                                     "device", "tensor_parallel_size", "kv_cache", "capacity", "layer_kinds",
+                                     "details", "notes"]
+    assert (glm["family"], sorted(glm["layer_kinds"])) == ("dsa", ["dsa"])
+    assert (v4["family"], sorted(v4["layer_kinds"])) == ("dsv4", ["c128a", "c4a", "window"])
+    for report in reports.values():
+        assert set(report["capacity"]) == {"scope", "layouts", "ratio_vs"}
+        assert set(report["kv_cache"]) == {"name", "token_bytes"}
+        for kind in report["layer_kinds"].values():
+            assert set(kind) == {"call", "kernels", "classes", "decision"}
+            assert set(kind["kernels"]) == {"prefill", "decode"} == set(kind["decision"]["kernels"])

@@ -11,7 +11,7 @@ import pytest
 from unit_helpers import _refusal
 
 from mla_sm120_plugin.device import parse_device
-from mla_sm120_plugin.rules import mla_sm120_validate
+from mla_sm120_plugin.families import mla_sm120_validate
 from mla_sm120_plugin.types import SelectionContext
 
 
@@ -60,12 +60,13 @@ def test_an_unreadable_kv_cache_dtype_names_the_flag_to_pass(capsys, engine, kv,
     assert lines[-1] == fix
 
 
-def test_kv_dtype_fix_speaks_vllm_unless_told_otherwise():
-    """rules.kv_dtype_fix: the engine defaults to vLLM."""
-    from mla_sm120_plugin.rules import kv_dtype_fix
+def test_kv_dtype_fix_speaks_each_engines_flags():
+    """families.dsa.kv_dtype_fix: in the given engine's flags (vLLM adds what its plain fp8 means)."""
+    from mla_sm120_plugin.engines import lookup
+    from mla_sm120_plugin.families.dsa import kv_dtype_fix
 
-    assert "plain fp8 is not rewritten" in kv_dtype_fix("fp8")
-    assert kv_dtype_fix("fp8", "sglang").startswith("pass --kv-cache-dtype fp8_e4m3")
+    assert "plain fp8 is not rewritten" in kv_dtype_fix("fp8", lookup("vllm"))
+    assert kv_dtype_fix("fp8", lookup("sglang")).startswith("pass --kv-cache-dtype fp8_e4m3")
 
 
 # --- each rule's refusal, from mla_sm120_validate itself -------------------------------------------------

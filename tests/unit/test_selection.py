@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from helpers import assert_three_parts, run_cli
+from helpers import assert_three_parts, decision_of, run_cli
 from unit_helpers import _edge_ctx, _edge_reasons, _edge_registry, _refusal
 from mla_sm120_plugin.device import parse_device
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
@@ -80,7 +80,7 @@ def test_non_dsa_model_is_refused_with_the_combination(reg):
         select(ctx("LlamaForCausalLM", prefill_kernel=FLASHINFER, decode_kernel=FLASHINFER), registry=reg)
     msg = str(err.value)
     _combination_named(msg, "12.0", "fp8_ds_mla", FLASHINFER, FLASHINFER, "LlamaForCausalLM")
-    assert "not a DeepSeek-Sparse-Attention model" in msg and GLM in msg and DSV in msg
+    assert "is not a sparse-MLA model this plugin serves" in msg and GLM in msg and DSV in msg
 
 
 def test_plain_fp8_gets_the_exact_flag_to_pass(reg):
@@ -234,7 +234,7 @@ def test_cli_check_json_for_a_model_directory(tmp_path):
     ))
     res = run_cli("check", "--model", str(tmp_path), "--sm", "12.1", "--tp", "8", "--json")
     assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = decision_of(json.loads(res.stdout))
     assert data["heads_per_rank"] == 16 and data["index_topk"] == 1024
     assert data["scale_format"] == "pow2"
 
@@ -358,10 +358,10 @@ def test_cli_engine_sglang_uses_sglangs_spelling_and_scale_format():
     res = run_cli("check", "--engine", "sglang", "--model", "deepseek-v3.2", "--sm", "12.0",
                   "--kv-cache-dtype", "fp8_e4m3", "--tp", "8", "--json")
     assert res.returncode == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = decision_of(json.loads(res.stdout))
     assert (data["kv_cache_dtype"], data["scale_format"]) == ("fp8_ds_mla", "arbitrary")
     res = run_cli("check", "--model", "deepseek-v3.2", "--sm", "12.0", "--tp", "8", "--json")
-    assert json.loads(res.stdout)["scale_format"] == "pow2"
+    assert decision_of(json.loads(res.stdout))["scale_format"] == "pow2"
     # vLLM's fp8_e4m3 is a plain fp8 cache: refused, pointing SGLang users at --engine sglang.
     res = run_cli("check", "--model", "deepseek-v3.2", "--sm", "12.0", "--kv-cache-dtype", "fp8_e4m3")
     assert res.returncode == 2 and "--engine sglang" in res.stderr
@@ -597,7 +597,8 @@ def test_a_model_no_profile_serves_is_refused_with_how_to_serve_it(tmp_path, cap
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 32}))
     lines = _refusal(capsys, "--model", str(d), "--sm", "12.0")
-    assert lines[0].endswith(": LlamaForCausalLM is not a DeepSeek-Sparse-Attention model this plugin serves")
+    assert lines[0].endswith(": LlamaForCausalLM is not a sparse-MLA model this plugin serves (no model profile names "
+                             "the architecture)")
     assert lines[-1] == ("fix: serve this model without --attention-backend CUSTOM, or install a plugin with a "
                          "profile for it")
 

@@ -1,4 +1,4 @@
-"""The vLLM suite: real vLLM 0.33 objects for tiny DSA models, built on the CPU (no weights, no GPU).
+"""The vLLM suite: real vLLM objects for tiny DSA models, built on the CPU (no weights, no GPU).
 
 The helpers that reproduce vLLM's GPU start-up (construction context, metadata, logging) live in
 ``tests/vllm_engine.py``, importable from subprocesses too; this file adds the per-test state.
@@ -22,12 +22,12 @@ from vllm_engine import make_impl, make_vllm_config, selector_kwargs  # noqa: E4
 @pytest.fixture(autouse=True)
 def _fresh_backend_state():
     from mla_sm120_plugin.context import clear_config_cache
-    from mla_sm120_plugin.integration.vllm import backend
+    from mla_sm120_plugin.integration.vllm import translate
 
-    backend.SLOT.clear()
+    translate.reset_for_tests()
     clear_config_cache()
     yield
-    backend.SLOT.clear()
+    translate.reset_for_tests()
     clear_config_cache()
 
 

@@ -1,4 +1,4 @@
-"""Documented vLLM behaviour pinned from both sides, on real vLLM 0.33 config objects (CPU, no weights).
+"""Documented vLLM behaviour pinned from both sides, on real vLLM config objects (CPU, no weights).
 
 - Config precedence (config.py docstring, README "Use with vLLM" / "Plugin config"): the inline
   ``--additional-config {"mla_sm120": {...}}`` beats the TOML it names (``config_file``), which
@@ -18,7 +18,7 @@ from vllm.config import SpeculativeConfig, VllmConfig
 
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.integration.vllm.backend import decide
-from mla_sm120_plugin.integration.vllm.translate import context_from_vllm, engine_limits
+from mla_sm120_plugin.integration.vllm.translate import engine_limits
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 
 INLINE = "--additional-config mla_sm120"
@@ -36,7 +36,7 @@ def glm(tmp_path_factory) -> str:
 
 def _ctx(model: str, inline: dict | None = None, **kw):
     vc = make_vllm_config(model, additional_config={"mla_sm120": inline} if inline is not None else None, **kw)
-    return context_from_vllm(vc, "fp8_ds_mla", 12, 0)
+    return decide(vc, "fp8_ds_mla", 12, 0).context  # the context the backend's plan decided
 
 
 def _toml(tmp_path, name: str, text: str) -> str:
@@ -59,8 +59,8 @@ def test_additional_config_beats_mla_sm120_config(tmp_path, monkeypatch, glm):
 
 
 def test_additional_config_beats_its_config_file(tmp_path, glm):
-    """README "Use with vLLM": the keys above "plus "config_file": "path.toml""; the inline keys are
-    the stronger source."""
+    """README "Use with vLLM": the keys of "Plugin config", "plus "config_file": "path.toml"";
+    the inline keys are the stronger source."""
     named = _toml(tmp_path, "named.toml", f'prefill_kernel = "{TORCH}"\ndecode_kernel = "{TORCH}"\n')
     ctx = _ctx(glm, {"config_file": named, "decode_kernel": TRITON})
     assert (ctx.prefill_kernel, ctx.decode_kernel) == (TORCH, TRITON)
@@ -135,7 +135,7 @@ def test_speculative_tokens_count_in_the_decode_bound(glm, method):
     spec = _with_speculation(glm, method, 3, max_num_seqs=8, max_num_batched_tokens=4096)
     assert spec.speculative_config.num_speculative_tokens == 3
     assert engine_limits(spec).max_decode_tokens == 8 * (1 + 3)
-    assert context_from_vllm(spec, "fp8_ds_mla", 12, 0).max_decode_tokens == 32
+    assert decide(spec, "fp8_ds_mla", 12, 0).context.max_decode_tokens == 32
 
 
 def test_the_decode_bound_is_capped_by_max_num_batched_tokens(glm):

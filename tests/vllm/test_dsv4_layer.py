@@ -1,4 +1,4 @@
-"""DeepSeek-V4 layers in vLLM 0.33 with and without ``--attention-backend CUSTOM``, built on the CPU.
+"""DeepSeek-V4 layers in vLLM with and without ``--attention-backend CUSTOM``, built on the CPU.
 
 vLLM's own objects throughout (docs/facts.md#vllm-start-up): a tiny ``DeepseekV4Config`` model directory, a real
 ``VllmConfig`` (``AttentionConfig(backend="CUSTOM")`` is what the flag lands as), vLLM's
@@ -261,7 +261,7 @@ def test_v41_layers_get_the_plugins_class_with_their_own_kinds(tmp_path, sm):
     assert block == {"0.33.0": 128, "0.34.0": 64}[release]
     assert lookup("vllm", release).dsv4.compressed_page_tokens["v4.1"] == block
     planned = plan_from_vllm(cfg, cfg.cache_config.cache_dtype, (12, 1), hf_config=cfg.model_config.hf_config)
-    assert {kind: d.context.dsv4.extra_page for kind, d in planned.decisions.items()} == {
+    assert {kind: d.context.call.extra_page for kind, d in planned.decisions.items()} == {
         "window": 0, "c1a": block, "c2a": block // 2}
 
 

@@ -1,4 +1,4 @@
-"""The plugin as a vLLM 0.33 GPU start-up builds and runs it, reproduced on the CPU (docs/facts.md#vllm-start-up).
+"""The plugin as a vLLM GPU start-up builds and runs it, reproduced on the CPU (docs/facts.md#vllm-start-up).
 
 - The impl is built inside ``set_default_torch_dtype(bf16)`` and ``torch.device("meta")`` (the
   stand-in for ``cuda``) with the self-check on, as ``load_model`` builds it.
@@ -216,12 +216,11 @@ from vllm_engine import selector_kwargs
 
 vc = pickle.load(open(sys.argv[1], "rb"))  # the config object every worker receives
 load_general_plugins()  # as vLLM's WorkerBase does
-from mla_sm120_plugin.integration.vllm.backend import SLOT, MlaSm120Backend
+from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
 
 with set_current_vllm_config(vc):
-    MlaSm120Backend.validate_configuration(**selector_kwargs("fp8_ds_mla", (12, 0)))
-(decision,) = SLOT.decisions.values()
-print(decision.scale_format)
+    assert MlaSm120Backend.validate_configuration(**selector_kwargs("fp8_ds_mla", (12, 0))) == []
+print(decide(vc, "fp8_ds_mla", 12, 0).scale_format)  # the plan validate_configuration made, from its cache
 """
 
 

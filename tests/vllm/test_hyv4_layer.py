@@ -1,4 +1,4 @@
-"""HY V4 (Hy4-preview) in vLLM 0.33 with and without ``--attention-backend CUSTOM``, built on the CPU.
+"""HY V4 (Hy4-preview) in vLLM with and without ``--attention-backend CUSTOM``, built on the CPU.
 
 vLLM's own ``HYV4MLAAttention`` is built as ``HYV4DecoderLayer`` builds it (a real ``VllmConfig``
 for a tiny hy_v4 config.json, vLLM's distributed state for one rank, the platform reading as SM

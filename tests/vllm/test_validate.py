@@ -1,4 +1,4 @@
-"""validate_configuration against real vLLM 0.33 configs, on the CPU with DeviceCapability(12, x)."""
+"""validate_configuration against real vLLM configs, on the CPU with DeviceCapability(12, x)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_refuses_other_families_with_our_message(tmp_path, cap):
 
 def test_refuses_a_non_dsa_model(tmp_path):
     vc = make_vllm_config(write_model(tmp_path, "llama"), cache_dtype="auto")
-    with pytest.raises(UnsupportedConfiguration, match="LlamaForCausalLM is not a DeepSeek-Sparse-Attention model"):
+    with pytest.raises(UnsupportedConfiguration, match="LlamaForCausalLM is not a sparse-MLA model this plugin serves"):
         _validate(vc, kv="auto")
 
 
@@ -155,28 +155,31 @@ def test_vllm_refuses_other_families_with_the_text_check_prints(tmp_path, sm):
 
 
 def test_check_and_vllm_build_the_same_context(tmp_path):
-    # The same deployment through both translators: vLLM's config objects and check's flags.
-    from mla_sm120_plugin.context import EngineLimits, build_context, plugin_config
+    # The same deployment through both translators: vLLM's config objects and check's flags, each planned.
+    from mla_sm120_plugin.context import EngineLimits, plugin_config
     from mla_sm120_plugin.device import parse_device
+    from mla_sm120_plugin.engines import installed_release
     from mla_sm120_plugin.hooks.manager import get_registry
-    from mla_sm120_plugin.integration.vllm.translate import context_from_vllm
+    from mla_sm120_plugin.integration.vllm.translate import plan_from_vllm
     from mla_sm120_plugin.modelinfo import resolve_model
+    from mla_sm120_plugin.plan import plan
 
     model = write_model(tmp_path, "glm", index_topk=1024)
     vc = make_vllm_config(model, tp=16, max_num_seqs=32, enforce_eager=True,
                           additional_config={"mla_sm120": {"decode_kernel": TRITON}})
-    from_vllm = context_from_vllm(vc, "fp8_ds_mla", 12, 1)
+    from_vllm = plan_from_vllm(vc, "fp8_ds_mla", (12, 1)).decision.context
     reg = get_registry()
     facts = resolve_model(model, registry=reg)
     settings = plugin_config({"decode_kernel": TRITON}, kernel_names=reg.kernels).for_model(facts.name, facts.arch)
-    from_cli = build_context(facts, settings, parse_device("12.1", source="--sm"), "fp8_ds_mla",
-                             EngineLimits(tensor_parallel_size=16, max_decode_tokens=32, max_prefill_tokens=4096,
-                                          cuda_graphs=False))
+    from_cli = plan(facts, settings, parse_device("12.1", source="--sm"), "fp8_ds_mla",
+                    EngineLimits(tensor_parallel_size=16, max_decode_tokens=32, max_prefill_tokens=4096,
+                                 cuda_graphs=False, release=installed_release("vllm"))).decision.context
     differ = {f for f in from_cli.__dataclass_fields__ if getattr(from_cli, f) != getattr(from_vllm, f)}
     # Only where the device came from and where the forced kernel came from may differ.
     assert differ <= {"device", "forced_by"}, differ
     assert (from_vllm.device.sm, from_cli.device.sm) == ("12.1", "12.1")
     assert (from_vllm.num_heads, from_vllm.index_topk, from_vllm.tensor_parallel_size) == (4, 1024, 16)
+    assert from_vllm.release == installed_release("vllm")
 
 
 def test_config_is_read_once_per_process(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ hooks SGLang's DSA backend resolution, validator and call site (:mod:`.dsa`) and
 defaults, backend and call (:mod:`.dsv4`); the flag's value reaches the scheduler processes through
 the environment, which SGLang's children inherit.
 
-The rooms: :mod:`.names` (the names they share: a leaf), :mod:`.hooks` (the hook mechanism),
+The rooms: :mod:`.names` (the names they share: a leaf), :mod:`.hooks` (the hook mechanism), :mod:`.bound`
+(the launcher's plan as a scheduler binds it, for both binding rooms),
 :mod:`.install` (the bindings' tables together), :mod:`.flags`, :mod:`.translate` (SGLang's settings ->
 the plan's inputs; the plan handed to the schedulers), :mod:`.dsa`, :mod:`.dsv4`, and
 :mod:`.internals` (every SGLang internal the adapter touches: what, why, what would let it go).
@@ -29,8 +30,10 @@ _state: dict[str, Any] = {}
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: cheap, idempotent, never raises into SGLang.
 
-    Registers the flags' hook always and the bindings' hooks only when enabled; says in the log
-    when the installed SGLang is not the release the hooks were built against.
+    Registers the flags' hook always and the bindings' hooks only when enabled. Under an SGLang
+    release the hooks were not read from, only the flags are registered (``--mla-sm120`` then stops
+    the launch with the refusal) and the refusal is logged once: given, supported, fix, as vLLM's
+    adapter and ``mla-sm120 check`` say it.
     """
     if _state:
         return
@@ -39,8 +42,12 @@ def register() -> None:
         from . import flags, hooks, install
         from .names import enabled
 
-        hooks.warn_if_another_release()
         hooks.register(flags.HOOKS, after=True)
+        refusal = hooks.release_refusal()
+        if refusal is not None:
+            _state["outcome"] = "unsupported release"
+            logger.error("mla_sm120: not hooking SGLang: %s", refusal.replace("\n", "; "))
+            return
         if enabled():
             install.engine_hooks()
     except Exception as exc:  # an exception here is logged and swallowed by SGLang: say it plainly

@@ -5,7 +5,7 @@
   supported / fix), exports the plan and routes both DSA phases to ``flashinfer_sparse_mla``.
 - ``_validate_flashinfer_sparse_mla_backend`` (AROUND, each scheduler, in the DSA backend's
   constructor): the launcher's decision replaces SGLang's GLM-only check; binds, self-checks and
-  logs once a process, then claims SGLang's FlashInfer workspace name (:data:`WORKSPACE_BUFFER`,
+  logs once a process (:mod:`.bound`), then claims SGLang's FlashInfer workspace name (:data:`WORKSPACE_BUFFER`,
   384 MiB a GPU, which no kernel of the plugin reads) with an empty buffer.
 - ``flashinfer_sparse_mla_forward`` (AROUND): the bound kernel of the current phase on SGLang's
   cache, viewed as 64-row pages, with SGLang's top-k slots (and its lengths when they match q's rows).
@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import pkgutil
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...errors import KernelInputError, format_error
 from ...families.dsa import KIND
 from ...kernels.dsa.layout import get as get_layout
-from ...report import decision_line, log_line
-from ...selection import DECODE_TOKENS_MAX, select
-from ...types import DECODE, PREFILL, Decision
-from . import hooks, translate
-from .names import LOGGER, PLAN_ENV, enabled
+from ...report import log_line
+from ...selection import DECODE_TOKENS_MAX
+from ...types import DECODE, PREFILL, SelectionContext
+from . import bound, hooks, translate
+from .bound import BoundState
+from .names import LOGGER, enabled
 
 logger = logging.getLogger(LOGGER)
 
@@ -53,7 +52,7 @@ BUFFERS = "sglang.srt.runtime_context.get_buffer"
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
 # The call's [heads] fp32 sink logits (a model with learned sinks), from forward_decode / forward_extend.
 _sink: contextvars.ContextVar[Any] = contextvars.ContextVar("mla_sm120_sink", default=None)
-_bound: dict[str, Any] = {}  # "state": this process's BoundState
+ROOM = "dsa"  # this room's bound state (:mod:`.bound`)
 
 
 # ------------------------------------------------------------------------------- the launcher
@@ -78,56 +77,30 @@ def around_resolution(original_fn: Callable[..., dict], view: Any, *args: Any, *
 # ------------------------------------------------------------------------------- each scheduler
 
 
-@dataclass(frozen=True)
-class BoundState:
-    """This process's decision, its bound kernels (after the self-check) and how to view the cache."""
-
-    decision: Decision
-    kernels: dict[str, Any]
-    kv_layout: str
-    scale_format: str
-    sinks: bool = False
-
-    def pages(self, kv_cache: Any) -> Any:
-        """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
-
-        ``C`` is the layout's row: 656 fp8 bytes (DSA), 528 (SGLang's packed rope-less rows), or 576 /
-        512 bf16. SGLang's DSA pool holds whole pages (it views the buffer as ``[-1, page_size, C]``
-        itself, with a physical page size of 64, 64 x index_kpool logical); a buffer that is not whole
-        64-row pages is refused with the sizes.
-        """
-        import torch
-
-        from ...kernels.dsa.pack import page_view
-
-        cache = get_layout(self.kv_layout)
-        rows = kv_cache.view(torch.uint8) if cache.fp8 else kv_cache
-        return page_view(rows.reshape(-1, cache.row))
-
-
 def bound_state() -> BoundState:
-    """Decide the launcher's DSA context, bind, self-check and log, once per process.
+    """The launcher's DSA decision, decided, self-checked, bound and logged once a process.
 
     :raises UnsupportedConfiguration: the plan did not reach this process (or holds no DSA kind),
         the decision refuses here, or every kernel for a phase failed its self-check.
     """
-    if "state" in _bound:
-        return _bound["state"]
-    hooks.require(HOOKS)
-    what, where = "decision", "resolving the DSA backends"
-    ctx = translate.imported(what, where).get(KIND)
-    if ctx is None:
-        raise translate.not_reached(what, where)
-    from ...dispatch import selfcheck
-    from ...dispatch.binding import bind
+    return bound.bound_state(ROOM, HOOKS, "decision", "resolving the DSA backends", kinds=(KIND,))
 
-    decision = select(ctx)
-    names, line = selfcheck.verify_at_init(decision)
-    kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
-    logger.info("%s", decision_line(decision))
-    logger.info("%s", line)
-    _bound["state"] = BoundState(decision, kernels, ctx.kv_cache_dtype, decision.scale_format, ctx.sinks)
-    return _bound["state"]
+
+def pages(ctx: SelectionContext, kv_cache: Any) -> Any:
+    """SGLang's ``[slots, 1, C]`` pool buffer as ``[slots / 64, 64, C]`` pages (slot ids unchanged).
+
+    ``C`` is the row of the context's layout: 656 fp8 bytes (DSA), 528 (SGLang's packed rope-less
+    rows), or 576 / 512 bf16. SGLang's DSA pool holds whole pages (it views the buffer as
+    ``[-1, page_size, C]`` itself, with a physical page size of 64, 64 x index_kpool logical); a
+    buffer that is not whole 64-row pages is refused with the sizes.
+    """
+    import torch
+
+    from ...kernels.dsa.pack import page_view
+
+    cache = get_layout(ctx.kv_cache_dtype)
+    rows = kv_cache.view(torch.uint8) if cache.fp8 else kv_cache
+    return page_view(rows.reshape(-1, cache.row))
 
 
 def around_validator(original_fn: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
@@ -166,21 +139,23 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
             f"skip_softmax_threshold_scale_factor={kwargs['skip_softmax_threshold_scale_factor']!r}",
             "None: the plugin's kernels compute full softmax",
             "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR"))
-    state = bound_state()
+    bound_kind = bound_state().kinds[KIND]
+    ctx = bound_kind.decision.context
     phase = _phase.get() or (DECODE if q.shape[0] <= DECODE_TOKENS_MAX else PREFILL)
     # SGLang's metadata rows should match q's; where they do not (DP/CP padding), SGLang runs its
     # kernels without lengths (full width: -1 padding is masked anyway), and so do we.
     lengths = seq_lens if seq_lens is not None and seq_lens.shape[0] == q.shape[0] else None
     sink = _sink.get()
-    if (sink is not None) != state.sinks:
+    if (sink is not None) != ctx.sinks:
         raise KernelInputError(format_error(
             f"a call {'with' if sink is not None else 'without'} attention sinks for a model planned "
-            f"{'with' if state.sinks else 'without'} them",
+            f"{'with' if ctx.sinks else 'without'} them",
             "the sinks the launcher's plan read from the model's config (learnable_sink)",
             "restart SGLang so that its launcher plans this model again"))
-    return state.kernels[phase].call(q, state.pages(kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
-                                     kv_layout=state.kv_layout, topk_length=lengths,
-                                     scale_format=state.scale_format, **({} if sink is None else {"sink": sink}))
+    return bound_kind.kernels[phase].call(q, pages(ctx, kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
+                                          kv_layout=ctx.kv_cache_dtype, topk_length=lengths,
+                                          scale_format=bound_kind.decision.scale_format,
+                                          **({} if sink is None else {"sink": sink}))
 
 
 def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_indices: Any, dsa_impl: str,
@@ -220,7 +195,7 @@ def around_forward_extend(original_fn: Callable[..., Any], *args: Any, **kwargs:
 
 def reset_for_tests() -> None:
     """Forget this process's bound state (tests; SGLang binds once a process)."""
-    _bound.clear()
+    bound.forget(ROOM)
 
 
 HOOKS: dict[str, Callable[..., Any]] = {  # SGLang internal -> the hook AROUND it (BUFFERS is resolved)

@@ -5,7 +5,7 @@
   phase) (:func:`.translate.plan_from_sglang`), refuses at launch what cannot be served and exports
   the plan for the schedulers.
 - ``DeepseekV4AttnBackend.__init__`` (AROUND, each scheduler): binds each kind's kernels from the
-  launcher's plan and self-checks them (:func:`bound_state`), and sets aside the split partials'
+  launcher's plan and self-checks them (:func:`bound_state`, through :mod:`.bound`), and sets aside the split partials'
   scratch on the backend's device (:func:`scratch_for`), before SGLang captures its graphs.
 - ``flash_mla_with_kvcache_sm120`` (AROUND, every DeepSeek-V4 attention call on SM12x): the call's
   layer kind is its compressed cache's page (none: the window), its phase SGLang's own split (more
@@ -16,16 +16,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import pkgutil
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...errors import KernelInputError, format_error
 from ...report import log_line
-from ...selection import select
 from ...types import DECODE, PREFILL, Decision
-from . import hooks, translate
+from . import bound, translate
+from .bound import BoundState
 from .names import LOGGER, enabled
 
 logger = logging.getLogger(LOGGER)
@@ -39,7 +39,7 @@ DECODE_MAX = "sglang.kernels.ops.attention.flash_mla_sm120.SM120_DECODE_MAX_TOKE
 # FlashInfer's DeepSeek-V4 kernel, which SGLang's call runs (the self-check runs it as bound there).
 FLASHINFER_CALL = "flashinfer.decode:trtllm_batch_decode_sparse_mla_dsv4"
 
-_bound: dict[str, Any] = {}  # "state": this process's BoundState
+ROOM = "dsv4"  # this room's bound state (:mod:`.bound`)
 _scratch: dict[Any, Any] = {}  # device -> the split partials' persistent bytes (torch.Tensor)
 
 
@@ -60,43 +60,30 @@ def around_defaults(original_fn: Callable[..., Any], server_args: Any, model_arc
     return result
 
 
-@dataclass(frozen=True)
-class BoundState:
-    """This scheduler's DeepSeek-V4 routes: compressed page (0: window-only) -> (layer kind, phase ->
-    the plugin kernel to run, None for SGLang's own FlashInfer call); and SGLang's decode bound."""
-
-    plan: dict[str, Decision]
-    routes: dict[int, tuple[str, dict[str, Any]]]
-    decode_max_tokens: int
-
-
 def bound_state() -> BoundState:
-    """Bind each layer kind's kernels from the launcher's plan and self-check them, once per process.
+    """Each layer kind of the launcher's plan, decided, self-checked, bound and logged once a process
+    (a kind FlashInfer serves is bound to FlashInfer's kernel as SGLang's call reaches it).
 
     :raises UnsupportedConfiguration: the plan did not reach this process, or a kind's kernels and
         their alternates all failed the self-check.
     """
-    if "state" in _bound:
-        return _bound["state"]
-    hooks.require(HOOKS)
-    contexts = translate.imported("DeepSeek-V4 plan", "applying its DeepSeek-V4 defaults")
-    from ...dispatch import selfcheck
-    from ...dispatch.binding import bind
+    return bound.bound_state(ROOM, HOOKS, "DeepSeek-V4 plan", "applying its DeepSeek-V4 defaults",
+                             engine_fns=_flashinfer_call)
+
+
+def _flashinfer_call(decisions: list[Decision]) -> dict[str, Callable[..., Any]]:
+    """FlashInfer's DeepSeek-V4 kernel as SGLang's call reaches it, where some decision names it."""
     from ...dispatch.catalog import FLASHINFER_DSV4
 
-    decisions = {kind: select(ctx) for kind, ctx in contexts.items()}
-    direct = pkgutil.resolve_name(FLASHINFER_CALL) if any(
-        FLASHINFER_DSV4 in d.kernels.values() for d in decisions.values()) else None
-    routes: dict[int, tuple[str, dict[str, Any]]] = {}
-    for kind, decision in decisions.items():
-        call = decision.context.dsv4
-        # the pages this call site passes (the plan's): SGLang's own, the split into 64 is its FlashInfer path's
-        kernels, line = selfcheck.verify_at_init(decision, {FLASHINFER_DSV4: direct} if direct else {})
-        logger.info("%s", line)
-        routes[call.extra_page] = (kind, {phase: None if name == FLASHINFER_DSV4 else bind(name).fn
-                                          for phase, name in kernels.items()})
-    _bound["state"] = BoundState(decisions, routes, int(pkgutil.resolve_name(DECODE_MAX)))
-    return _bound["state"]
+    if not any(FLASHINFER_DSV4 in d.kernels.values() for d in decisions):
+        return {}
+    return {FLASHINFER_DSV4: pkgutil.resolve_name(FLASHINFER_CALL)}
+
+
+@functools.cache
+def _decode_max_tokens() -> int:
+    """SGLang's own decode / prefill split of the call (more tokens: the prefill form)."""
+    return int(pkgutil.resolve_name(DECODE_MAX))
 
 
 def scratch_for(device: Any) -> Any:
@@ -144,16 +131,20 @@ def around_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     state = bound_state()
     q, extra = kwargs["q"], kwargs.get("extra_k_cache")
     page = 0 if extra is None else int(extra.shape[1])
-    routes = state.routes.get(page)
-    if routes is None:
+    # a kind is told apart by the compressed cache's page its calls pass (0: the window alone)
+    kinds = {kind: bound_kind for kind, bound_kind in state.kinds.items()
+             if bound_kind.decision.context.call.extra_page == page}
+    if not kinds:
         raise KernelInputError(format_error(
             f"a DeepSeek-V4 call with a compressed cache of {page} entries a page", "the launcher's plan: "
-            + ", ".join(f"{kind} ({p or 'no compressed cache'})" for p, (kind, _) in state.routes.items()),
+            + ", ".join(f"{kind} ({b.decision.context.call.extra_page or 'no compressed cache'})"
+                        for kind, b in state.kinds.items()),
             "restart SGLang so that its launcher plans this model again"))
-    kind, fns = routes
-    fn = fns[PREFILL if q.shape[0] > state.decode_max_tokens else DECODE]
-    if fn is None:
+    (bound_kind,) = kinds.values()
+    phase = PREFILL if q.shape[0] > _decode_max_tokens() else DECODE
+    if bound_kind.engine_runs(phase):
         return original_fn(**kwargs)
+    fn = bound_kind.kernels[phase].fn
     if kwargs.get("head_dim_v", q.shape[-1]) != q.shape[-1]:
         raise KernelInputError(format_error(f"head_dim_v={kwargs['head_dim_v']} for q of width {q.shape[-1]}",
                                             "V = K: the whole 512-wide row", "pass head_dim_v=512"))
@@ -168,7 +159,7 @@ def around_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
 
 def reset_for_tests() -> None:
     """Forget this process's bound state and scratch (tests; SGLang binds once a process)."""
-    _bound.clear()
+    bound.forget(ROOM)
     _scratch.clear()
 
 

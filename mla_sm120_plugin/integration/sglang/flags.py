@@ -1,7 +1,8 @@
 """The flags: ``--mla-sm120`` and ``--mla-sm120-config`` on every parser SGLang builds.
 
 :data:`HOOKS` puts them there (AFTER ``ServerArgs.add_cli_args``), registered in every process
-whether or not the plugin is enabled. Parsing ``--mla-sm120`` exports the opt-in for the scheduler
+whether or not the plugin is enabled. Parsing ``--mla-sm120`` refuses an SGLang release the hooks
+were not read from, exports the opt-in for the scheduler
 processes (SGLang's children inherit the environment) and installs the engine hooks in this process
 at once (:func:`.install.engine_hooks`: the parse runs after ``load_plugins()`` applied what was
 registered then); ``--mla-sm120-config`` is checked as a JSON object and exported too.
@@ -28,13 +29,15 @@ class _EnableAction(argparse._StoreTrueAction):  # noqa: SLF001 - SGLang's --con
         super().__call__(parser, namespace, values, option_string)
         os.environ[ENABLE_ENV] = "1"
         os.environ.pop(PLAN_ENV, None)  # this is the launcher: it plans afresh
-        from . import install
+        from . import hooks, install
+
+        refusal = hooks.release_refusal()
+        if refusal is not None:  # the hooks were read from other releases: nothing is hooked
+            parser.error(refusal)
 
         missing = install.engine_hooks(apply_now=True)
         if missing:
-            from .hooks import missing_message
-
-            parser.error(missing_message(missing))
+            parser.error(hooks.missing_message(missing))
 
 
 class _ConfigAction(argparse._StoreAction):  # noqa: SLF001 - as above
@@ -54,13 +57,23 @@ class _ConfigAction(argparse._StoreAction):  # noqa: SLF001 - as above
         os.environ[INLINE_CONFIG_ENV] = values
 
 
+def _served_models() -> list[str]:
+    """The ``--model`` names of the built-in profiles SGLang builds (from the profiles, not a list here)."""
+    from ...engines import lookup
+    from ...profiles import mla_sm120_model_profiles
+
+    missing = lookup("sglang").missing_architectures
+    return [profile.name for profile in mla_sm120_model_profiles()
+            if not all(arch in missing for arch in profile.architectures)]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> bool:
     """Add ``--mla-sm120`` and ``--mla-sm120-config`` to a parser that lacks them; returns whether it did."""
     try:
         parser.add_argument(FLAG, action=_EnableAction, default=False,
-                            help="Serve DeepSeek-Sparse-Attention models (GLM-5, DeepSeek-V3.2) with mla-sm120-plugin's "
-                                 "kernels on SM120/SM121: decided before the weights load, one kernel per phase "
-                                 f"(same as {ENABLE_ENV}=1).")
+                            help=f"Serve sparse-MLA models ({', '.join(_served_models())}) with mla-sm120-plugin's "
+                                 "kernels on SM120/SM121: decided before the weights load, one kernel per layer "
+                                 f"kind and phase (same as {ENABLE_ENV}=1).")
     except argparse.ArgumentError:  # argparse's answer to an option the parser has: added before
         return False
     parser.add_argument(CONFIG_FLAG, action=_ConfigAction, default=None, metavar="JSON",

@@ -14,7 +14,7 @@ import pkgutil
 from typing import Any, Callable, Mapping
 
 from ...errors import PluginError, format_error
-from .names import BUILT_FOR, FLAG, LOGGER
+from .names import FLAG, LOGGER
 
 logger = logging.getLogger(LOGGER)
 
@@ -26,22 +26,12 @@ _engine: dict[str, Callable[..., Any]] = {}
 _registered: dict[str, Callable[..., Any]] = {}
 
 
-def installed_release() -> str:
-    """The installed SGLang's version (``"unknown"`` without its distribution metadata)."""
-    from importlib.metadata import PackageNotFoundError, version
+def release_refusal() -> str | None:
+    """Why the installed SGLang is not a release the hooks were read from (given / supported / fix, one
+    a line, as vLLM's adapter and ``mla-sm120 check`` say it), or None when it is one."""
+    from ...engines import installed_release, release_refusal as refusal_for
 
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def warn_if_another_release() -> None:
-    """Say in the log when the installed SGLang is not the release the hooks were built against."""
-    installed = installed_release()
-    if installed != BUILT_FOR:
-        logger.warning("mla_sm120: built for sglang %s, running on sglang %s; `mla-sm120 doctor` and the "
-                       "start-up check say whether every hook applied", BUILT_FOR, installed)
+    return refusal_for("sglang", installed_release("sglang"), f"serve without {FLAG}")
 
 
 def register(table: Table, *, after: bool = False) -> None:
@@ -88,11 +78,14 @@ def missing(table: Table) -> list[str]:
 
 def missing_message(targets: list[str]) -> str:
     """The refusal for hooks SGLang did not apply: given / supported / fix."""
+    from ...engines import RELEASES, installed_release
+
+    supported = RELEASES["sglang"]
     return format_error(
         f"{FLAG} is on but SGLang did not apply the plugin's hooks on {', '.join(targets)} "
-        f"(sglang {installed_release()})",
-        f"sglang {BUILT_FOR}, the release the hooks were written for",
-        f"install sglang=={BUILT_FOR} (pip install 'mla-sm120-plugin[sglang]'), or serve without {FLAG}",
+        f"(SGLang {installed_release('sglang')})",
+        "SGLang " + " or ".join(supported) + " (the releases the plugin's hooks were read from)",
+        "; or ".join(engine.install for engine in supported.values()) + f"; or serve without {FLAG}",
     )
 
 

@@ -8,7 +8,9 @@ longer touches); ``tests/sglang_engine/test_sglang_internals.py`` resolves every
 from __future__ import annotations
 
 from ..catalogue import Internal
-from .names import BUILT_FOR as _R
+from ...engines import SGLANG
+
+_R = SGLANG.release  # the release every entry was read from
 
 INTERNALS: tuple[Internal, ...] = (
     # --- the hook mechanism and the flags -------------------------------------------------------------

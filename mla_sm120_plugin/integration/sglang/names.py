@@ -1,8 +1,8 @@
 """The names every room of the SGLang adapter shares (a leaf: it imports only :mod:`mla_sm120_plugin.envs`).
 
-The SGLang release the hooks were read from, the two flags, the environment variables the flags
-set for SGLang's child processes (named once, in :mod:`mla_sm120_plugin.envs`), the logger and the
-opt-in test :func:`enabled`. Pure Python.
+The two flags, the environment variables the flags set for SGLang's child processes (named once, in
+:mod:`mla_sm120_plugin.envs`), the logger and the opt-in test :func:`enabled`. Pure Python. The
+supported SGLang release is spelled once, in :data:`mla_sm120_plugin.engines.RELEASES`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 
 from ... import envs
 
-BUILT_FOR = "0.5.23"  # the SGLang release these hooks were written and tested against
 FLAG = "--mla-sm120"
 CONFIG_FLAG = "--mla-sm120-config"
 ENABLE_ENV = envs.SGLANG  # the opt-in, for the scheduler processes and the Python API

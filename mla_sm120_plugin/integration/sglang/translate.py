@@ -26,8 +26,9 @@ from ...device import from_capability
 from ...errors import ConfigError, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...modelinfo import ModelFacts, facts_from_hf_config
-from ...plan import PARTS, Plan, family_of, plan
-from ...types import DSA_FAMILY, DSV4_FAMILY, DeviceInfo, SelectionContext
+from ...engines import lookup
+from ...plan import Plan, plan
+from ...types import DeviceInfo, SelectionContext
 from .names import ENABLE_ENV, FLAG, INLINE_CONFIG_ENV, LOGGER, PLAN_ENV
 
 logger = logging.getLogger(LOGGER)
@@ -35,13 +36,6 @@ logger = logging.getLogger(LOGGER)
 # SGLang's environment variables (defined on sglang.srt.environ.envs) that switch skip-softmax on.
 SKIP_SOFTMAX = ("sglang.srt.environ.envs.SGLANG_SKIP_SOFTMAX_PREFILL_THRESHOLD_SCALE_FACTOR",
                 "sglang.srt.environ.envs.SGLANG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR")
-# SGLang's flags that name a plugin kernel per phase, by model family: its --dsa-*-backend flags
-# name DSA's impls (the plugin's kernel names are SGLang's: flashinfer_sparse_mla,
-# triton_sparse_mla); SGLang's DeepSeek-V4 path reads none.
-KERNEL_FLAGS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
-    DSA_FAMILY: ("--dsa-*-backend", (("prefill_kernel", "dsa_prefill_backend"), ("decode_kernel", "dsa_decode_backend"))),
-    DSV4_FAMILY: ("", ()),
-}
 
 
 def _engine_features(view: Any) -> frozenset[str]:
@@ -200,7 +194,8 @@ def inputs_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -
     reg = get_registry()
     facts = facts_from_hf_config(hf_config, name=str(getattr(view, "served_model_name", None) or view.model_path),
                                  registry=reg)
-    flags, fields = KERNEL_FLAGS[family_of(facts)]
+    # SGLang's flags that name a plugin kernel per phase, for the model's family (Engine.kernel_flags_by_family)
+    flags, fields = lookup("sglang").kernel_flags_by_family.get(facts.family, ("", ()))
     inline: dict[str, Any] = json.loads(os.environ.get(INLINE_CONFIG_ENV) or "{}")
     for key, field in fields:
         if getattr(view, field, None):
@@ -212,15 +207,6 @@ def inputs_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -
     drafts = int(getattr(view, "speculative_num_draft_tokens", None) or 0) if algorithm else 0
     return Inputs(facts, settings, from_capability(*capability, source="sglang"), getattr(view, "kv_cache_dtype", None),
                   engine_limits(view, hf_config), speculative_tokens=drafts, dspark=algorithm == "DSPARK")
-
-
-def contexts_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -> dict[str, SelectionContext]:
-    """The plan's selection contexts (layer kind -> context, undecided) for SGLang's resolved arguments:
-    what :func:`plan_from_sglang` decides, as the model's family shapes its calls."""
-    got = inputs_from_sglang(view, hf_config, capability)
-    return dict(PARTS[family_of(got.facts)].shape(got.facts, got.settings, got.device, got.kv_cache_dtype, got.limits,
-                                                  speculative_tokens=got.speculative_tokens,
-                                                  dspark=got.dspark).contexts)
 
 
 def plan_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -> Plan:

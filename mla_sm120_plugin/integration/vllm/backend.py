@@ -27,53 +27,23 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
 )
 
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
-from ...dispatch import selfcheck
-from ...dispatch.binding import BoundKernel, bind
-from ...report import decision_line
+from ...dispatch.bound import bind_decision
 from ...rules import SERVED_SM_FAMILIES
 from ...engines import lookup
 from ...kernels.dsa.layout import KV_LORA_RANK, LAYOUTS, PAGE_SIZE, TOKEN_BYTES
 from ...kernels.dsa.pack import page_view
 from ...types import DECODE, PREFILL, Decision, SelectionContext
 from .names import LOGGER_NAME
-from .translate import current_vllm_config, device_capability, plan_from_vllm, release
+from .translate import current_vllm_config, device_capability, plan_from_vllm, release, validated_against
 
 logger = logging.getLogger(LOGGER_NAME)
 
 BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
 
 
-class DecisionSlot:
-    """Where ``validate_configuration`` leaves this process's decisions for the impls vLLM builds next.
-
-    Keyed by (served model, architecture, KV-cache dtype): a speculative draft model is decided
-    on its own. Holds the device capability the selector validated against, so the impls decide
-    for the same device.
-    """
-
-    def __init__(self) -> None:
-        self.decisions: dict[tuple[str, str, str], Decision] = {}
-        self.capability: tuple[int, int] | None = None
-        self.logged: set[SelectionContext] = set()
-
-    @staticmethod
-    def key(vllm_config: Any, kv_cache_dtype: str | None) -> tuple[str, str, str]:
-        model_config = vllm_config.model_config
-        archs = model_config.architectures or [""]
-        return str(model_config.model), str(archs[0]), str(kv_cache_dtype)
-
-    def clear(self) -> None:
-        self.decisions.clear()
-        self.capability = None
-        self.logged.clear()
-
-
-SLOT = DecisionSlot()
-
-
 def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> Decision:
     """The plan's one decision for vLLM's config on a device of capability ``major.minor`` (a DSA
-    model's plan has one layer kind).
+    model's plan has one layer kind; the plan is made once a process, :func:`.translate.plan_from_vllm`).
 
     :raises UnsupportedConfiguration: with the combination, what is supported and the fix.
     :raises ConfigError: the plugin config (inline or file) is malformed.
@@ -180,11 +150,8 @@ class MlaSm120Backend(AttentionBackend):
         cap = kwargs["device_capability"]
         if vllm_config is None or vllm_config.model_config is None:
             return ["mla_sm120: no vLLM model config in scope; the backend decides per model"]
-        kv_cache_dtype = kwargs.get("kv_cache_dtype")
-        key = SLOT.key(vllm_config, kv_cache_dtype)
-        if key not in SLOT.decisions or SLOT.capability != (cap.major, cap.minor):
-            SLOT.decisions[key] = decide(vllm_config, kv_cache_dtype, cap.major, cap.minor)
-            SLOT.capability = (cap.major, cap.minor)
+        validated_against((cap.major, cap.minor))
+        decide(vllm_config, kwargs.get("kv_cache_dtype"), cap.major, cap.minor)
         return super().validate_configuration(**kwargs)
 
 
@@ -206,23 +173,15 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                 format_error("MlaSm120Impl built outside vLLM's model construction", "construction by vLLM",
                              "select it with --attention-backend CUSTOM")
             )
-        decision = SLOT.decisions.get(SLOT.key(vllm_config, self.kv_cache_dtype))
-        if decision is None:  # built without vLLM's selector (a forced backend path): decide now
-            decision = decide(vllm_config, self.kv_cache_dtype, *_device_capability())
-            SLOT.decisions[SLOT.key(vllm_config, self.kv_cache_dtype)] = decision
-        self.decision = decision
-        ctx = self.decision.context
-        self.kv_layout = ctx.kv_cache_dtype
+        # The plan vLLM's selector made (the same inputs: once a process), or, for an impl built
+        # without the selector (a forced backend path), made now for the platform's device.
+        self.decision = decide(vllm_config, self.kv_cache_dtype, *device_capability())
+        self.kv_layout = self.decision.context.kv_cache_dtype
         # Proved here, while vLLM builds the model: before any weight loads and before graph
-        # capture, on its own small buffers. Results are per process, so later layers reuse them.
-        names, check_line = selfcheck.verify_at_init(self.decision)
-        kernels = {phase: bind(names[phase]) for phase in (DECODE, PREFILL)}
-        self._mla_sm120_kernels: dict[str, BoundKernel] = kernels
+        # capture, on its own small buffers; bound and logged once a process, so later layers reuse it.
+        kernels = bind_decision(self.decision, logger=logger).kernels
+        self._mla_sm120_kernels = kernels
         self._mla_sm120_single_kernel = kernels[DECODE].name == kernels[PREFILL].name
-        if ctx not in SLOT.logged:
-            SLOT.logged.add(ctx)
-            logger.info("%s", decision_line(self.decision))
-            logger.info("%s", check_line)
 
     def get_fp8_ds_mla_row_bytes(self) -> int:
         """Bytes of one cache row in the layout this layer's ``--kv-cache-dtype`` gives it under the
@@ -306,6 +265,3 @@ def _checked_sinks(sinks: Any, num_heads: int) -> torch.Tensor | None:
             "build the layer with the model's own sink parameter (vLLM's make_attention_sink)"))
     return sinks
 
-
-def _device_capability() -> tuple[int, int]:
-    return SLOT.capability if SLOT.capability is not None else device_capability()

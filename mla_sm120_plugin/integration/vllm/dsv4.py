@@ -1,4 +1,4 @@
-"""DeepSeek-V4 in vLLM 0.33: with the opt-in, the plugin's subclass of vLLM's SM120 layer class.
+"""DeepSeek-V4 in vLLM 0.33 and 0.34: with the opt-in, the plugin's subclass of vLLM's SM120 layer class.
 
 vLLM picks a DeepSeek-V4 layer's attention class itself (``_select_dsv4_attn_cls``, a global of
 ``vllm.models.deepseek_v4.nvidia.model`` and of ``vllm.models.deepseek_v41.nvidia.model``, which
@@ -46,7 +46,7 @@ KERNEL_GLOBAL = "flashinfer_trtllm_batch_decode_sparse_mla_dsv4"
 # The kernel a routed layer's current call runs (None: vLLM's own FlashInfer call).
 _route: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar("mla_sm120_dsv4_route",
                                                                                      default=None)
-_state: dict[str, Any] = {"plans": {}, "logged": set(), "classes": {}}
+_state: dict[str, Any] = {"logged": set(), "classes": {}}
 
 
 # ------------------------------------------------------------------------------ the import hook
@@ -145,49 +145,22 @@ def _refuse_context_parallel(vllm_config: Any) -> None:
             "requests)", "drop --prefill-context-parallel-size, or serve without --attention-backend CUSTOM"))
 
 
-def plan_key(vllm_config: Any) -> tuple[Any, ...]:
-    """What a plan depends on: the model (a draft is planned on its own), parallelism, drafts, the
-    plugin config, the device capability and the record the cache dtype names (not its spelling: the
-    first layer rewrites vLLM's ``fp8`` to ``fp8_ds_mla``, the same record; a refused one never makes
-    a plan)."""
-    import json
-
-    from vllm.platforms import current_platform
-
-    from ...config import ADDITIONAL_CONFIG_KEY
-
-    model_config = vllm_config.model_config
-    spec = vllm_config.speculative_config
-    inline = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    return (str(model_config.model), tuple(model_config.architectures or ()),
-            vllm_config.parallel_config.tensor_parallel_size, spec.num_speculative_tokens if spec else 0,
-            bool(getattr(vllm_config.attention_config, "use_non_causal", False)),
-            json.dumps(inline, sort_keys=True, default=str), str(current_platform.get_device_capability()),
-            str(vllm_config.cache_config.cache_dtype).startswith("nvfp4"))
-
-
 def plan_for(vllm_config: Any) -> Any:
-    """The :class:`~mla_sm120_plugin.plan.Plan` for this vLLM config (once a process a key),
-    logged once.
+    """The :class:`~mla_sm120_plugin.plan.Plan` for this vLLM config (the adapter's plan cache:
+    :func:`.translate.plan_from_vllm`), its line logged once a process.
 
     :raises UnsupportedConfiguration: as :func:`mla_sm120_plugin.plan.plan`, or no GPU capability.
     """
-    key = plan_key(vllm_config)
-    plans = _state["plans"]
-    if key not in plans:
-        from ...report import log_line
-
-        plans[key] = _plan(vllm_config)
-        logger.info("%s", log_line(plans[key]))
-    return plans[key]
-
-
-def _plan(vllm_config: Any) -> Any:
+    from ...report import log_line
     from .translate import device_capability, plan_from_vllm
 
     # the whole config: V4.1's layer list may sit under its text_config, which the reader looks into
-    return plan_from_vllm(vllm_config, vllm_config.cache_config.cache_dtype, device_capability(),
-                          vllm_config.model_config.hf_config)
+    planned = plan_from_vllm(vllm_config, vllm_config.cache_config.cache_dtype, device_capability(),
+                             vllm_config.model_config.hf_config)
+    if id(planned) not in _state["logged"]:
+        _state["logged"].add(id(planned))
+        logger.info("%s", log_line(planned))
+    return planned
 
 
 # ------------------------------------------------------------------------------ the layer class
@@ -244,13 +217,13 @@ class RoutedDsv4Attention:
         # kernel takes a phase, skip that gate: run the base layer's __init__ and the o-projection
         # recipe the SM120 __init__ sets (its fp8 per-tensor buffers are for a float8 cache, never
         # the uint8 record this class reads).
-        token = dsv4_nvfp4.building(plan.record)
+        token = dsv4_nvfp4.building(plan.kv_cache)
         try:
             super(base, self).__init__(vllm_config, *args, **kwargs)
         finally:
             dsv4_nvfp4.done_building(token)
-        self.mla_sm120_record = plan.record
-        if plan.record == dsv4_nvfp4.NVFP4_DSV4:
+        self.mla_sm120_record = plan.kv_cache
+        if plan.kv_cache == dsv4_nvfp4.NVFP4_DSV4:
             dsv4_nvfp4.adopt(self)
         kind = layer_kind(self)
         decision = plan.decisions.get(kind)
@@ -264,10 +237,9 @@ class RoutedDsv4Attention:
         recipe = vars(sys.modules[base.__module__])["compute_fp8_einsum_recipe"]
         block = getattr(self, "_o_proj_block_size", None)
         self._einsum_recipe, self._tma_aligned_scales = recipe() if block is None else recipe(block)
-        kernels = _verified(kind, decision, sys.modules[base.__module__])
-        self.mla_sm120_kernels = dict(kernels)
-        self._mla_sm120_route = {phase: _route_for(name, plan.record, sys.modules[base.__module__])
-                                 for phase, name in kernels.items()}
+        bound = _bound(decision, sys.modules[base.__module__])
+        self.mla_sm120_kernels = {phase: kernel.name for phase, kernel in bound.kernels.items()}
+        self._mla_sm120_route = {phase: _route_for(bound, phase, plan.kv_cache) for phase in bound.kernels}
 
     def get_kv_cache_spec(self, vllm_config: Any) -> Any:
         from . import dsv4_nvfp4
@@ -297,38 +269,32 @@ class RoutedDsv4Attention:
         return self._mla_sm120_routed("prefill", super()._forward_prefill, *args, **kwargs)  # type: ignore[misc]
 
 
-def _route_for(name: str, record: str, module: Any) -> Callable[..., Any] | None:
-    """What a phase's kernel call runs: None (vLLM's own FlashInfer call, unchanged) for the fp8
-    record; else the kernel, told the record (vLLM's call passes no kv_cache_format)."""
-    import functools
-
-    from ...dispatch.binding import bind
-    from ...dispatch.catalog import FLASHINFER_DSV4
-    from ...kernels.dsv4.layout import FLASHINFER_FORMAT, FP8_DSV4
-
-    if name == FLASHINFER_DSV4:
-        if record == FP8_DSV4:
-            return None
-        fn = getattr(module, KERNEL_GLOBAL).__wrapped__
-    else:
-        fn = bind(name).fn
-    return fn if record == FP8_DSV4 else functools.partial(fn, kv_cache_format=FLASHINFER_FORMAT[record])
-
-
-def _verified(kind: str, decision: Any, module: Any) -> dict[str, str]:
-    """Each phase's kernel for ``kind`` after the self-check (once a process a kind and plan)."""
-    from ...dispatch import selfcheck
+def _bound(decision: Any, module: Any) -> Any:
+    """``decision`` verified, bound and logged (:func:`mla_sm120_plugin.dispatch.bound.bind_decision`),
+    with FlashInfer's DeepSeek-V4 kernel as ``module`` calls it (vLLM's own call, unrouted)."""
+    from ...dispatch.bound import bind_decision
     from ...dispatch.catalog import FLASHINFER_DSV4
 
     original = getattr(getattr(module, KERNEL_GLOBAL), "__wrapped__", getattr(module, KERNEL_GLOBAL))
-    kernels, line = selfcheck.verify_at_init(decision, {FLASHINFER_DSV4: original})
-    if (kind, decision.context) not in _state["logged"]:
-        _state["logged"].add((kind, decision.context))
-        logger.info("%s", line)
-    return kernels
+    return bind_decision(decision, logger=logger, engine_fns={FLASHINFER_DSV4: original})
+
+
+def _route_for(bound: Any, phase: str, record: str) -> Callable[..., Any] | None:
+    """What a phase's kernel call runs: None (vLLM's own FlashInfer call, unchanged) for FlashInfer's
+    kernel on the fp8 record; else the kernel, told the record (vLLM's call passes no kv_cache_format)."""
+    import functools
+
+    from ...kernels.dsv4.layout import FLASHINFER_FORMAT, FP8_DSV4
+
+    if bound.engine_runs(phase) and record == FP8_DSV4:
+        return None
+    fn = bound.kernels[phase].fn
+    return fn if record == FP8_DSV4 else functools.partial(fn, kv_cache_format=FLASHINFER_FORMAT[record])
 
 
 def reset_for_tests() -> None:
     """Forget this process's plans and log marks (tests)."""
-    _state["plans"].clear()
+    from .translate import reset_for_tests as forget_plans
+
+    forget_plans()
     _state["logged"].clear()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's 384-byte NVFP4 cache in vLLM 0.33: ``--kv-cache-dtype nvfp4_ds_mla`` with the opt-in.
+"""DeepSeek-V4's 384-byte NVFP4 cache in vLLM 0.33 and 0.34: ``--kv-cache-dtype nvfp4_ds_mla`` with the opt-in.
 
 vLLM takes ``nvfp4_ds_mla`` on its command line and in its config for an MLA model; its DeepSeek-V4
 layer refuses it at build (``_resolve_dsv4_kv_cache_dtype`` accepts only fp8 spellings for the

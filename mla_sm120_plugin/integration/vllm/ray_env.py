@@ -1,7 +1,7 @@
 """The plugin's settings on vLLM's Ray actors: :func:`carry_settings_to_ray`.
 
-The settings travel in the environment (``MLA_SM120_CONFIG``, ``MLA_SM120_SELF_CHECK``, ...). vLLM
-0.33's Ray paths copy to the actors they start only variables they know (``vllm/ray/ray_env.py``:
+The settings travel in the environment (``MLA_SM120_CONFIG``, ``MLA_SM120_SELF_CHECK``, ...). vLLM's
+Ray paths (0.33 and 0.34 alike) copy to the actors they start only variables they know (``vllm/ray/ray_env.py``:
 ``get_env_vars_to_copy``, used for Ray data-parallel engine cores) plus the prefixes a user adds to
 :data:`~.names.RAY_EXTRA_PREFIXES_ENV`. mp and external-launcher workers inherit the environment anyway.
 """

@@ -3,8 +3,11 @@
 :func:`plan_from_vllm` reads a ``VllmConfig`` (the one in scope while vLLM builds the model:
 :func:`current_vllm_config`) into the plan's inputs and plans through
 :func:`mla_sm120_plugin.plan.plan`, for every model family alike: the DSA binding takes the plan's
-one decision, the DeepSeek-V4 binding a decision per layer kind. No servability rule lives here:
-the adapter translates, the matrix decides. Imports nothing of vLLM at module level.
+one decision, the DeepSeek-V4 binding a decision per layer kind. A plan is made once a process for
+the same inputs (the adapter's one plan cache: vLLM's selector, each impl and each DeepSeek-V4 layer
+ask again), and :func:`device_capability` answers with the capability vLLM's selector validated
+against, where it did. No servability rule lives here: the adapter translates, the matrix decides.
+Imports nothing of vLLM at module level.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ from typing import Any
 
 from ... import device as device_mod
 from ...config import ADDITIONAL_CONFIG_KEY
-from ...context import EngineLimits, build_context, plugin_config
+from ...context import EngineLimits, plugin_config
 from ...engines import installed_release, release_refusal
 from ...errors import UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...modelinfo import facts_from_hf_config
 from ...plan import Plan, plan
-from ...types import SelectionContext
+
+# The adapter's state in this process: plans by their inputs, and the device capability vLLM's
+# selector validated against (the impls it builds next plan for the same device; on a machine whose
+# platform reports none, as in CPU tests, it is the only one).
+_plans: dict[tuple[Any, ...], Plan] = {}
+_selector: dict[str, tuple[int, int]] = {}
 
 
 def current_vllm_config() -> Any:
@@ -90,18 +98,19 @@ def _text_config(vllm_config: Any) -> Any:
     return model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
 
 
-def context_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> SelectionContext:
-    """The DSA selection context for vLLM's config on a device of capability ``major.minor``."""
-    facts, settings = model_and_settings(vllm_config, _text_config(vllm_config))
-    return build_context(facts, settings, device_mod.from_capability(major, minor), kv_cache_dtype,
-                         engine_limits(vllm_config))
+def validated_against(capability: tuple[int, int]) -> None:
+    """Remember the device capability vLLM's selector validated against in this process."""
+    _selector["capability"] = capability
 
 
 def device_capability() -> tuple[int, int]:
-    """This GPU's compute capability, as vLLM's platform reports it.
+    """This GPU's compute capability: the one vLLM's selector validated against in this process, else
+    what vLLM's platform reports.
 
-    :raises UnsupportedConfiguration: the platform reports none.
+    :raises UnsupportedConfiguration: neither has one.
     """
+    if "capability" in _selector:
+        return _selector["capability"]
     from vllm.platforms import current_platform
 
     cap = current_platform.get_device_capability()
@@ -114,7 +123,8 @@ def device_capability() -> tuple[int, int]:
 
 def plan_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, capability: tuple[int, int],
                    hf_config: Any = None) -> Plan:
-    """The plan (layer kind -> decision) for vLLM's config on a device of ``capability``.
+    """The plan (layer kind -> decision) for vLLM's config on a device of ``capability``, made once a
+    process for the same inputs.
 
     :param kv_cache_dtype: the cache dtype as the layer sees it (the selector's for a DSA layer,
         the cache config's for DeepSeek-V4).
@@ -131,5 +141,18 @@ def plan_from_vllm(vllm_config: Any, kv_cache_dtype: str | None, capability: tup
     # vLLM widens DeepSeek-V4 decode window rows for a non-causal (DSpark) draft only
     # (_required_sm120_sparse_topk); a DSA plan's decode bound (engine_limits) carries the drafts.
     non_causal = bool(getattr(vllm_config.attention_config, "use_non_causal", False)) and spec is not None
-    return plan(facts, settings, device_mod.from_capability(*capability), kv_cache_dtype,
-                engine_limits(vllm_config), speculative_tokens=drafts, dspark=non_causal, registry=get_registry())
+    device, limits, reg = device_mod.from_capability(*capability), engine_limits(vllm_config), get_registry()
+    key = (facts, settings, device, limits, drafts, non_causal, id(reg))
+    if (*key, kv_cache_dtype) not in _plans:
+        planned = plan(facts, settings, device, kv_cache_dtype, limits, speculative_tokens=drafts, dspark=non_causal,
+                       registry=reg)
+        # Another spelling of the cache every layer kind reads plans the same (vLLM's DeepSeek-V4 layer
+        # rewrites fp8 to fp8_ds_mla after the first layer): the first plan serves both.
+        _plans[(*key, kv_cache_dtype)] = _plans.setdefault((*key, "cache:" + planned.kv_cache), planned)
+    return _plans[(*key, kv_cache_dtype)]
+
+
+def reset_for_tests() -> None:
+    """Forget this process's plans and the selector's capability (tests)."""
+    _plans.clear()
+    _selector.clear()

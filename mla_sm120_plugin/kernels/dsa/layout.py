@@ -29,7 +29,7 @@ FP8_NUM_TILES = KV_LORA_RANK // FP8_TILE  # 4
 FP8_E4M3_MAX = 448.0
 POW2_SCALE_FLOOR = 1e-4  # pow2 scales: 2 ** ceil(log2(max(amax / 448, floor)))
 
-# nvfp4_ds_mla (vLLM 0.33's fused_norm_rope writer, MLA_CACHE_NVFP4): e2m1 latent in 16-value blocks,
+# nvfp4_ds_mla (vLLM's fused_norm_rope writer, MLA_CACHE_NVFP4): e2m1 latent in 16-value blocks,
 # one e4m3 scale each, e4m3(max(amax * fp32(1/6), 2 ** -9)); scales stored in a 4 x 8 transpose.
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16

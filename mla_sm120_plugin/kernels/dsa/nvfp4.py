@@ -1,8 +1,8 @@
 """The ``nvfp4_ds_mla`` row (352 bytes, :data:`.layout.NVFP4_DSA`) in torch: vLLM's writer and its inverse.
 
 :func:`pack_rows` reproduces, step for step in fp32, the writer vLLM fills this cache with
-(``_fused_norm_rope_kernel``, ``MLA_CACHE_NVFP4``, in vLLM 0.33's
-``models/deepseek_v32/common/kernels.py``):
+(``_fused_norm_rope_kernel``, ``MLA_CACHE_NVFP4``, in vLLM's
+``models/deepseek_v32/common/kernels.py``, the same in 0.33 and 0.34):
 
 1. ``amax`` of each 16-value block of the latent (fp32);
 2. ``sf = e4m3(max(amax * fp32(1/6), 2**-9))``: a multiply by the fp32 constant 1/6, then

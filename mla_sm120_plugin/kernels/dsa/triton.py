@@ -10,7 +10,7 @@ its candidates ``BLOCK_K`` a step with an online softmax in base 2; the 512-wide
 accumulation (:func:`~mla_sm120_plugin.kernels.shared.triton.dot`); each tile's scale multiplies
 the fp32 scores and the probabilities, never a rounded key. What it shares with the fast kernel
 (slot ids, row offsets, the epilogue, the combine of splits, the launch builder and the call
-driver) is :mod:`.triton_parts`; the split count comes from :mod:`.triton_plan`.
+driver) is :mod:`.triton_parts`; the split count comes from :mod:`.plan`.
 
 Design notes and measurements: docs/kernels.md, section ``kernels/dsa/triton.py``.
 """
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsa.triton_parts import (
     FP8_SCALE_OFF,
     NOPE,
@@ -39,7 +39,7 @@ from mla_sm120_plugin.kernels.dsa.triton_parts import (
 from mla_sm120_plugin.kernels.shared.triton import dot, e2m1
 
 # One block shape for every head count (the compile gate's numbers behind it: docs/kernels.md); the
-# split count comes from the configuration table in :mod:`.triton_plan`.
+# split count comes from the configuration table in :mod:`.plan`.
 BLOCK_H = plan.EXACT.block_h
 BLOCK_K = plan.EXACT.block_k
 NUM_WARPS = plan.EXACT.num_warps
@@ -49,7 +49,7 @@ LaunchConfig = plan.LaunchConfig
 
 
 def launch_config(num_tokens: int, num_heads: int, topk: int, family: str = plan.DEFAULT_FAMILY) -> LaunchConfig:
-    """The exact kernel's config for one call, from :func:`.triton_plan.launch_config`'s table
+    """The exact kernel's config for one call, from :func:`.plan.launch_config`'s table
     (deterministic: no autotuning at serve time). Few tokens get several splits, many get one."""
     return plan.launch_config(plan.EXACT.name, num_tokens, num_heads, topk, family)
 

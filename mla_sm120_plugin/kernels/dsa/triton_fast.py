@@ -25,7 +25,7 @@ import triton.language as tl
 
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND
 from mla_sm120_plugin.kernels.dsa import layout
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.dsa.triton_parts import (
     FP8_SCALE_OFF,
     NOPE,
@@ -303,7 +303,7 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
 
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
          config: plan.LaunchConfig | None):
-    """:func:`triton_sparse_mla_fast` with an optional forced :class:`~.triton_plan.LaunchConfig`;
+    """:func:`triton_sparse_mla_fast` with an optional forced :class:`~.plan.LaunchConfig`;
     a bf16 cache (``bf16``, ``bf16_nope``) goes to the exact kernel."""
     if not layout.get(kv_layout).fp8:
         # The one use of the exact kernel's module: a bf16 cache is its job, not this kernel's.

@@ -4,7 +4,7 @@ Both kernels take the same runtime arguments and run one program per (query toke
 ``BLOCK_H`` heads, split of the top-k candidates): the slot-id and row-offset helpers, the
 epilogue (normalize, then :mod:`..shared.combine`'s finalize: the sink, the output and the LSE),
 the host-side launch builder (:func:`launches`) and the call driver
-(:func:`run_plan`: checks, output allocation, the config from :mod:`.triton_plan`) live here.
+(:func:`run_plan`: checks, output allocation, the config from :mod:`.plan`) live here.
 A kernel module keeps only its own inner loop and its constexprs. See docs/kernels.md, section
 ``kernels/dsa/triton_parts.py``.
 """
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsa import layout
-from mla_sm120_plugin.kernels.dsa import triton_plan as plan
+from mla_sm120_plugin.kernels.dsa import plan
 from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, cdiv, interpreting
 from mla_sm120_plugin.kernels.shared.combine import DTYPE_NAMES, combine_launch, finalize
 from mla_sm120_plugin.kernels.shared.triton import Launch
@@ -235,7 +235,7 @@ def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_sc
 
 @functools.lru_cache(maxsize=None)
 def _family(device_index: int) -> str:
-    return plan.family_of(*torch.cuda.get_device_capability(device_index))
+    return plan.gpu_family(*torch.cuda.get_device_capability(device_index))
 
 
 def check_alignment(kv_cache: torch.Tensor, kv_layout: str) -> None:

@@ -31,7 +31,7 @@ from mla_sm120_plugin.kernels.dsv4 import layout
 from mla_sm120_plugin.kernels.dsv4 import plan
 from mla_sm120_plugin.kernels.shared.combine import OUT_DIM, combine_launch
 from mla_sm120_plugin.kernels.shared.host import LOG2E, cdiv, interpreting
-from mla_sm120_plugin.kernels.shared.launch_plan import family_of
+from mla_sm120_plugin.kernels.shared.launch_plan import gpu_family
 from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, dot, e2m1, e8m0_value, store_rounded
 
 REC = layout.FP8_RECORD
@@ -284,7 +284,7 @@ def _family(device: torch.device) -> str:
 @functools.lru_cache(maxsize=None)
 def _cuda_family(device_index: int) -> str:
     # asked once a device: the call path runs every forward
-    return family_of(*torch.cuda.get_device_capability(device_index))
+    return gpu_family(*torch.cuda.get_device_capability(device_index))
 
 
 def dsv4_attention(

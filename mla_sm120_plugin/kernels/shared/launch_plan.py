@@ -5,7 +5,7 @@ count is chosen, from shapes alone (never live lengths or any tensor's values, s
 captured at a shape replays the same grid). :func:`split_rule` is the one rule: fill one wave of
 resident CTAs on the family's reference part, pay for splits only in bytes that cost no time,
 whole steps per split, and of those the fastest in the model (:func:`launch_time_us`). Each family models its own bytes (:class:`Traffic`): the DSA plans in
-``kernels/dsa/triton_plan.py``, DeepSeek-V4's in ``kernels/dsv4/plan.py``.
+``kernels/dsa/plan.py``, DeepSeek-V4's in ``kernels/dsv4/plan.py``.
 
 Why and how the budget is set: docs/kernels.md, section ``kernels/shared/launch_plan.py``.
 """
@@ -61,7 +61,7 @@ FAMILIES = {
 DEFAULT_FAMILY = "sm120"
 
 
-def family_of(major: int, minor: int) -> str:
+def gpu_family(major: int, minor: int) -> str:
     """The tables' family for a compute capability (SM121 is its own row: 48 SMs, 273 GB/s)."""
     if major == 12:
         return "sm121" if minor == 1 else "sm120"
@@ -179,7 +179,8 @@ def split_rule(family: ArchFamily, *, programs: int, ctas_per_sm: int, blocks: i
             best = (time_us, splits, per_split, extra)
     time_us, splits, per_split, extra = best
     if splits > 1:
-        why = (f"{splits} splits ({programs} programs x {splits} for {slots} CTA slots), modeled {time_us:.1f} µs; "
+        noun = "program" if programs == 1 else "programs"
+        why = (f"{splits} splits ({programs} {noun} x {splits} for {slots} CTA slots), modeled {time_us:.1f} µs; "
                f"splitting adds {extra / 1e6:.2f} of <= {budget / 1e6:.2f} MB")
     elif wave <= 1:
         why = f"{programs} programs fill {slots} CTA slots"

@@ -1,7 +1,7 @@
-"""How the Triton kernels cut a call into programs, and the bytes each cut moves (pure Python).
+"""How the DSA Triton kernels cut a call into programs, and the bytes each cut moves (pure Python).
 
 Nothing here imports torch or triton: the table, the rule behind it and the traffic model run on
-any machine (``python -m mla_sm120_plugin.kernels.dsa.triton_plan`` prints them).
+any machine (``python -m mla_sm120_plugin.kernels.dsa.plan`` prints them).
 
 A program handles one query token, ``block_h`` heads and one *split* (a range of ``chunk`` top-k
 candidates, ``block_k`` a step). Each kernel's block shape is fixed (:data:`EXACT`, :data:`FAST`,
@@ -13,7 +13,7 @@ the bytes a launch plan moves with nothing reused across programs, for any cache
 (:func:`row_bytes_read`); the table is chosen once per kernel, family and layout.
 
 The rule in full, the compiled shapes behind the block sizes, and the traffic bounds: docs/kernels.md,
-section ``kernels/dsa/triton_plan.py``.
+section ``kernels/dsa/plan.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.shared.host import cdiv
 # The rule and the GPU families are shared with DeepSeek-V4's plan; re-exported under their names here.
 from mla_sm120_plugin.kernels.shared.launch_plan import (  # noqa: F401
-    DEFAULT_FAMILY, EXTRA_FRACTION, FAMILIES, LATENCY_US, ArchFamily, Traffic, bucket as _bucket, family_of,
+    DEFAULT_FAMILY, EXTRA_FRACTION, FAMILIES, LATENCY_US, ArchFamily, Traffic, bucket as _bucket, gpu_family,
     split_rule,
 )
 
-MAX_SPLITS = 64  # the combine kernel walks every split of a (token, head block)
+# The combine merges COMBINE_SPLIT_BLOCK (32) splits a step, one program a (token, head, 128 columns),
+# so 64 splits are two of its steps; the wave and the byte budget bind before this cap in every table.
+MAX_SPLITS = 64
 
 _PARTIAL_BYTES = {"fp32": 4, "bf16": 2}
 
