@@ -22,11 +22,12 @@ logger = logging.getLogger(LOGGER)
 _states: dict[str, "BoundState"] = {}  # room -> its state in this process
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BoundState:
     """A room's share of the launcher's plan in this scheduler: layer kind -> its bound decision
     (:class:`~mla_sm120_plugin.dispatch.bound.BoundDecision`: the decision, each phase's kernel after
-    the self-check, the check's log line)."""
+    the self-check, the check's log line). Compared and hashed by identity: one a room a process, so a
+    room may index it once (``functools`` caches keyed on it)."""
 
     kinds: Mapping[str, Any]
 

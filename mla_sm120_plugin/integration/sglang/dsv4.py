@@ -80,6 +80,13 @@ def _flashinfer_call(decisions: list[Decision]) -> dict[str, Callable[..., Any]]
     return {FLASHINFER_DSV4: pkgutil.resolve_name(FLASHINFER_CALL)}
 
 
+@functools.lru_cache(maxsize=1)
+def _by_page(state: BoundState) -> dict[int, Any]:
+    """The bound layer kinds by the compressed cache's page their calls pass (0: the window alone): how a
+    call's kind is told apart, indexed once a bound state rather than on every call."""
+    return {bound_kind.decision.context.call.extra_page: bound_kind for bound_kind in state.kinds.values()}
+
+
 @functools.cache
 def _decode_max_tokens() -> int:
     """SGLang's own decode / prefill split of the call (more tokens: the prefill form)."""
@@ -128,19 +135,15 @@ def around_call(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     """
     if not enabled() or args:
         return original_fn(*args, **kwargs)
-    state = bound_state()
+    by_page = _by_page(bound_state())
     q, extra = kwargs["q"], kwargs.get("extra_k_cache")
     page = 0 if extra is None else int(extra.shape[1])
-    # a kind is told apart by the compressed cache's page its calls pass (0: the window alone)
-    kinds = {kind: bound_kind for kind, bound_kind in state.kinds.items()
-             if bound_kind.decision.context.call.extra_page == page}
-    if not kinds:
+    bound_kind = by_page.get(page)
+    if bound_kind is None:
         raise KernelInputError(format_error(
             f"a DeepSeek-V4 call with a compressed cache of {page} entries a page", "the launcher's plan: "
-            + ", ".join(f"{kind} ({b.decision.context.call.extra_page or 'no compressed cache'})"
-                        for kind, b in state.kinds.items()),
+            + ", ".join(f"{b.decision.context.call.kind} ({p or 'no compressed cache'})" for p, b in by_page.items()),
             "restart SGLang so that its launcher plans this model again"))
-    (bound_kind,) = kinds.values()
     phase = PREFILL if q.shape[0] > _decode_max_tokens() else DECODE
     if bound_kind.engine_runs(phase):
         return original_fn(**kwargs)
