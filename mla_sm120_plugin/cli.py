@@ -103,6 +103,8 @@ def _check(args: argparse.Namespace) -> int:
     release, why = _engine_release(args.engine, args.engine_version)
     limits = EngineLimits(
         tensor_parallel_size=args.tp,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
@@ -415,6 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
     check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
     check.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (divides the heads)")
+    check.add_argument("--decode-context-parallel-size", "--dcp", type=_positive_int, default=1,
+                       help="decode context parallel size (vLLM's flag; divides --tp): each GPU keeps 1/N of the cache")
+    check.add_argument("--cp-kv-cache-interleave-size", type=_positive_int, default=1,
+                       help="under DCP: consecutive tokens a rank owns (vLLM's flag; GLM-5.3-Flash needs a multiple of 4)")
     check.add_argument("--engine", choices=tuple(ENGINES), default="vllm",
                        help="the engine you will serve with: its --kv-cache-dtype spellings and how its cache "
                             "writer stores fp8 scales (SGLang: amax/448 for every model) (default vllm)")

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from . import config as config_mod
 from . import engines as engines_mod
 from . import families
-from .errors import ConfigError, MlaSm120Error, format_error
+from .errors import ConfigError, MlaSm120Error, UnsupportedConfiguration, format_error
 from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
@@ -49,7 +49,12 @@ class EngineLimits:
         there too: the model's). An explicit ``kv_scale_format`` in the plugin config wins.
     :param release: the engine's release (a key of :data:`mla_sm120_plugin.engines.RELEASES`); None:
         its oldest supported one.
+    :param decode_context_parallel_size: ranks of the TP group the cache is sharded over by token
+        (vLLM's ``--decode-context-parallel-size``, SGLang's ``--dcp-size``); it divides the TP size.
+    :param cp_kv_cache_interleave_size: consecutive tokens one DCP rank owns before the next's (vLLM's
+        ``--cp-kv-cache-interleave-size``).
     :raises UnsupportedConfiguration: a release the plugin does not support.
+    :raises ConfigError: a size that is not a positive integer.
     """
 
     tensor_parallel_size: int = 1
@@ -60,11 +65,14 @@ class EngineLimits:
     engine: str = "vllm"
     scale_format: str | None = None
     release: str | None = None
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "max_decode_tokens", "max_prefill_tokens"):
+        sizes = ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size")
+        for name in (*sizes, "max_decode_tokens", "max_prefill_tokens"):
             value = getattr(self, name)
-            if value is None and name != "tensor_parallel_size":
+            if value is None and name not in sizes:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(format_error(f"{name}={value!r}", "a positive integer",
@@ -98,8 +106,18 @@ def build_context(
     :param kv_cache_dtype: the engine's KV-cache dtype spelling (see :func:`kv_layout`).
     :param limits: the engine's parallelism and call-size limits.
     :returns: the context :func:`mla_sm120_plugin.selection.select` decides on.
-    :raises UnsupportedConfiguration: the TP size does not divide the model's heads.
+    :raises UnsupportedConfiguration: the TP size does not divide the model's heads, or the DCP size
+        does not divide the TP size.
     """
+    tp, dcp = limits.tensor_parallel_size, limits.decode_context_parallel_size
+    if tp % dcp:
+        engine = limits.facts
+        raise UnsupportedConfiguration(format_error(
+            f"{engine.dcp_flag} {dcp} with tensor_parallel_size={tp}: decode context parallelism shards the "
+            "cache over ranks of the tensor-parallel group",
+            f"a DCP size that divides the TP size ({', '.join(str(d) for d in range(1, tp + 1) if tp % d == 0)})",
+            f"pass {engine.dcp_flag} {max(d for d in range(1, tp + 1) if tp % d == 0 and d <= dcp)}, "
+            f"or raise the TP size to a multiple of {dcp}"))
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
@@ -110,7 +128,8 @@ def build_context(
         kv_lora_rank=facts.kv_lora_rank,
         qk_rope_head_dim=facts.qk_rope_head_dim,
         precision=settings.precision,
-        num_heads=facts.heads_per_rank(limits.tensor_parallel_size),
+        # What one call sees: under DCP the engine gathers the heads of the DCP group.
+        num_heads=facts.heads_per_rank(tp) * dcp,
         index_topk=limits.facts.index_width(facts.index_topk, facts.index_kpool),
         device=device,
         prefill_kernel=settings.prefill_kernel,
@@ -126,6 +145,10 @@ def build_context(
         sinks=facts.sinks,
         family=facts.family,
         release=limits.release,
+        decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=limits.cp_kv_cache_interleave_size,
+        index_kpool=facts.index_kpool,
+        index_picks=facts.index_topk // max(facts.index_kpool, 1),
     )
 
 

@@ -122,6 +122,14 @@ class Engine:
     :param kernel_flags_by_family: model family -> (how its flags are named in messages, (plugin setting,
         the engine's argument naming a kernel for it) pairs): the engine's own flags that force a kernel per
         phase; a family absent here has none.
+    :param dcp_flag: how decode context parallelism is sized.
+    :param dcp_interleave_flag: how the tokens a DCP rank owns in a row are set.
+    :param dcp_merge_picks: the indexer's picks a row that the engine's DCP top-k merge ranks (vLLM: its
+        CuteDSL merge of every rank's candidates); empty: no merge (the index cache is replicated).
+    :param dcp_merge_note: what that merge runs on (a plan note under DCP).
+    :param dcp_layouts_refused: cache layouts the engine refuses under DCP -> why.
+    :param dcp_refused: why the plugin's binding under this engine does not serve decode context
+        parallelism (empty: it does).
     """
 
     name: str
@@ -153,6 +161,12 @@ class Engine:
     opt_in_every_layer: bool = False
     plain_fp8: str = ""
     kernel_flags_by_family: Mapping[str, tuple[str, tuple[tuple[str, str], ...]]] = field(default_factory=dict)
+    dcp_flag: str = ""
+    dcp_refused: str = ""
+    dcp_interleave_flag: str = ""
+    dcp_merge_picks: tuple[int, ...] = ()
+    dcp_merge_note: str = ""
+    dcp_layouts_refused: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def versioned(self) -> str:
@@ -244,8 +258,16 @@ VLLM = Engine(
     },
     feature_flags={
         "hisparse": "drop the HiSparse attention config (attention_config.hisparse_config)",
-        "dcp": "set --decode-context-parallel-size 1",
+        "pcp": "set --prefill-context-parallel-size 1",
     },
+    dcp_flag="--decode-context-parallel-size",
+    dcp_interleave_flag="--cp-kv-cache-interleave-size",
+    # sparse_attn_indexer._merge_dcp_topk_global: each rank scores its own shard of the index cache and
+    # the exact global top-k is picked from every rank's candidates, by CuteDSL only (no torch path).
+    dcp_merge_picks=(512, 1024, 2048),
+    dcp_merge_note=("vLLM merges the ranks' index top-k with its CuteDSL kernel (_merge_dcp_topk_global; "
+                    "nvidia-cutlass-dsl, a vLLM dependency; no SM gate in its code, not yet run on an SM12x GPU by "
+                    "this project)"),
     nope_layouts={FP8_DS_MLA: FP8_DS_MLA_NOPE, BF16: BF16_NOPE},
     # vLLM 0.33 writes nvfp4_ds_mla in its DSA models' fused_norm_rope only (DeepSeek-V3.2 geometry);
     # its own reader, FLASHMLA_SPARSE, refuses it off SM100.
@@ -284,6 +306,8 @@ VLLM_034 = dataclasses.replace(
     nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
     dsv4=dataclasses.replace(VLLM.dsv4, compressed_page_tokens={"v4": 256, "v4.1": 64}),
     release="0.34.0",
+    dcp_layouts_refused={NVFP4_DS_MLA: "vLLM 0.34.0 refuses it at config (validate_nvfp4_kv_cache_with_mla: its "
+                                       "chunked-context prefill gather is not validated under DCP)"},
     install='pip install "mla-sm120-plugin[vllm034]" (vLLM 0.34.0; where the index lacks flashinfer-python 0.7.3, '
             "uv pip install ... --override .ci/vllm034-overrides.txt)",
     missing_architectures={},
@@ -331,6 +355,9 @@ SGLANG = Engine(
         "dcp": "set --dcp-size 1",
         "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
     },
+    dcp_flag="--dcp-size",
+    dcp_refused=("SGLang 0.5.23 decodes DCP through TRT-LLM's sparse kernels (SM100) and the plugin's SGLang binding "
+                 "does not take its DCP calls yet"),
     # _dsa_kv_cache_dtype_default: auto -> fp8_e4m3 for DSA models on SM >= 10 (no learnable sinks).
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model

@@ -38,6 +38,7 @@ class Plan:
     :param kv_cache: the cache layout (or record) every layer kind reads.
     :param notes: what is worth a line beside the table (the decisions' own notes, then the family's).
     :param release: the engine release planned for.
+    :param decode_context_parallel_size: ranks the cache is sharded over by token (1: each GPU keeps it whole).
     """
 
     facts: ModelFacts
@@ -49,6 +50,7 @@ class Plan:
     kv_cache: str
     notes: tuple[str, ...] = field(default=())
     release: str = ""
+    decode_context_parallel_size: int = 1
 
     @property
     def versioned(self) -> str:
@@ -147,4 +149,4 @@ def plan(
     notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes)
     return Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
                 family=family.name, decisions=decisions, kv_cache=shaped.kv_cache, notes=tuple(dict.fromkeys(notes)),
-                release=engine.release)
+                release=engine.release, decode_context_parallel_size=limits.decode_context_parallel_size)

@@ -45,7 +45,9 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
         "scale_format": decision.scale_format,
         "precision": ctx.precision,
         "tensor_parallel_size": ctx.tensor_parallel_size,
-        "heads_per_rank": ctx.num_heads,
+        "heads_per_rank": ctx.heads_per_rank,
+        "decode_context_parallel_size": ctx.decode_context_parallel_size,
+        "heads_per_call": ctx.num_heads,
         "index_topk": ctx.index_topk,
         "kernels": dict(decision.kernels),
         "capacity": capacity(ctx),
@@ -71,7 +73,10 @@ def decision_line(decision: Decision) -> str:
     return (
         f"mla_sm120: model={ctx.model_name or ctx.model_arch} ({ctx.model_arch}) "
         f"device={ctx.device.describe()} kv_cache_dtype={ctx.kv_cache_dtype} "
-        f"scale_format={decision.scale_format} heads_per_rank={ctx.num_heads} index_topk={ctx.index_topk} "
+        f"scale_format={decision.scale_format} heads_per_rank={ctx.heads_per_rank} "
+        + (f"dcp={ctx.decode_context_parallel_size} heads_per_call={ctx.num_heads} "
+           if ctx.decode_context_parallel_size > 1 else "")
+        + f"index_topk={ctx.index_topk} "
         f"precision={ctx.precision} prefill={decision.prefill} decode={decision.decode}{classes}; "
         f"rejected: {rejected}"
     )
@@ -81,7 +86,21 @@ def _capacity_line(ctx: SelectionContext) -> str:
     cap = capacity(ctx)
     parts = [f"{name} {row['tokens_per_gib']:,} ({row['token_bytes']} B)" for name, row in cap["layouts"].items()]
     ratios = ", ".join(f"{ratio:.2f}x {name}" for name, ratio in cap["ratio_vs"].items())
-    return f"capacity   tokens per GiB of cache per layer: {'; '.join(parts)}" + (f" -> {ratios}" if ratios else "")
+    line = f"capacity   tokens per GiB of cache per layer: {'; '.join(parts)}" + (f" -> {ratios}" if ratios else "")
+    dcp = cap.get("decode_context_parallel")
+    if dcp:
+        line += (f"\ndcp        {dcp['size']} ranks share the cache by token: each GPU keeps {dcp['kept_per_gpu']} of it, "
+                 f"{dcp['tokens_per_gib_per_gpu']:,} tokens of context a GiB of each GPU per layer in "
+                 f"{ctx.kv_cache_dtype} ({dcp['ratio_vs_dcp_1']:.2f}x dcp 1); each layer's call costs an all-gather "
+                 f"of q ({ctx.num_heads} heads) and of the LSE and a reduce-scatter of the output")
+    return line
+
+
+def _heads(ctx: SelectionContext) -> str:
+    if ctx.decode_context_parallel_size == 1:
+        return f"{ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size})"
+    return (f"{ctx.num_heads} heads a call, gathered over decode context parallel {ctx.decode_context_parallel_size} "
+            f"({ctx.heads_per_rank} per rank, tensor parallel {ctx.tensor_parallel_size})")
 
 
 def _bound(tokens: int | None) -> str:
@@ -103,8 +122,7 @@ def explain_decision(decision: Decision) -> str:
         f"precision  {ctx.precision} ("
         + ("single-fp8 q/p kernels allowed" if ctx.precision != EXACT
            else f"exact-class kernels only: {EXACT_BAR}") + ")",
-        f"shape      {ctx.num_heads} heads per rank (tensor parallel {ctx.tensor_parallel_size}), "
-        f"index_topk {ctx.index_topk}",
+        f"shape      {_heads(ctx)}, index_topk {ctx.index_topk}",
         f"calls      decode {_bound(ctx.max_decode_tokens)}, prefill {_bound(ctx.max_prefill_tokens)}; "
         f"CUDA graphs {'on' if ctx.cuda_graphs else 'off'}",
         "",
@@ -158,6 +176,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "engine_release": plan.release,
         "device": _device_dict(plan.device),
         "tensor_parallel_size": plan.tensor_parallel_size,
+        "decode_context_parallel_size": plan.decode_context_parallel_size,
         "kv_cache": {"name": plan.kv_cache, "token_bytes": family.token_bytes(plan.kv_cache)},
         "capacity": family.plan_capacity(plan),
         "layer_kinds": {
@@ -183,4 +202,6 @@ def log_line(plan: Plan) -> str:
 
     kinds = "; ".join(f"{kind}{counted(d)}: prefill={d.prefill} decode={d.decode}" for kind, d in plan.decisions.items())
     return (f"mla_sm120: {family.label} plan for {plan.facts.name} ({plan.facts.arch}) on {plan.device.describe()}, "
-            f"{plan.versioned} tp={plan.tensor_parallel_size}, kv {plan.kv_cache}: {kinds}")
+            f"{plan.versioned} tp={plan.tensor_parallel_size}"
+            + (f" dcp={plan.decode_context_parallel_size}" if plan.decode_context_parallel_size > 1 else "")
+            + f", kv {plan.kv_cache}: {kinds}")

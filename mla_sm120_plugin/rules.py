@@ -25,7 +25,9 @@ SERVED_SM_FAMILIES = frozenset({12})
 # reads their layout. Each maps to why, for the message.
 FEATURE_REASONS = {
     "hisparse": "HiSparse writes the cache through another path and remaps top-k through its own index group",
-    "dcp": "decode context parallelism shards the cache across ranks; the kernels read one rank's whole cache",
+    "dcp": "decode context parallelism under SGLang: its DCP path calls TRT-LLM's SM100 sparse kernels, and the "
+           "plugin's SGLang binding does not take those calls yet",
+    "pcp": "prefill context parallelism shards prefill over ranks; the plugin's calls take no PCP metadata",
     "skip_softmax": "skip-softmax changes the attention output the kernels compute",
 }
 
@@ -69,3 +71,22 @@ def feature_refusals(ctx: SelectionContext, path: str, fix_tail: str) -> Iterato
     for feature in sorted(ctx.features):
         yield Refusal(f"{feature} is on: {FEATURE_REASONS.get(feature, 'an engine feature this plugin does not know')}",
                       path, f"{engine.feature_flags.get(feature, f'turn {feature} off')}{fix_tail}")
+
+
+def context_parallel_refusals(ctx: SelectionContext, unserved: str = "") -> Iterator[Refusal]:
+    """Why ``ctx``'s decode context parallelism cannot be served (nothing at DCP 1): the engine's binding
+    does not take DCP calls, or (``unserved``: why, in the family's words) the family's kernels cannot."""
+    dcp = ctx.decode_context_parallel_size
+    if dcp == 1:
+        return
+    engine = for_context(ctx)
+    given = f"{engine.dcp_flag} {dcp}"
+    if engine.dcp_refused:
+        yield Refusal(f"{given} under {engine.versioned}: {engine.dcp_refused}",
+                      f"{engine.dcp_flag} 1 with {engine.enable_flag}; decode context parallelism on SM12x is served "
+                      "under vLLM (--attention-backend CUSTOM --decode-context-parallel-size N)",
+                      f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache), or serve with vLLM")
+    elif unserved:
+        yield Refusal(f"{given}: {unserved}", f"{engine.dcp_flag} 1 for this model",
+                      f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
+

@@ -75,7 +75,8 @@ def envelope_reasons(
         reasons.append(f"reads kv_cache_dtype {sorted(spec.kv_cache_dtypes)}, not {ctx.kv_cache_dtype}")
     lo, hi = spec.heads
     if not lo <= ctx.num_heads <= hi:
-        reasons.append(f"heads per rank {ctx.num_heads} outside [{lo}, {hi}]")
+        what = "heads per rank" if ctx.decode_context_parallel_size == 1 else "heads a call (gathered over DCP)"
+        reasons.append(f"{what} {ctx.num_heads} outside [{lo}, {hi}]")
     if ctx.index_topk < spec.topk_min:
         reasons.append(f"index_topk {ctx.index_topk} < {spec.topk_min}")
     if ctx.index_topk % spec.topk_multiple:
@@ -87,6 +88,9 @@ def envelope_reasons(
     if ctx.precision == EXACT and spec.precision != EXACT:
         reasons.append(f"computes with a single fp8 q and probability (precision {spec.precision}: a few % relRMS); "
                        f"the config asks precision={EXACT} ({EXACT_BAR} against float64)")
+    if ctx.decode_context_parallel_size > 1 and not spec.returns_lse:
+        reasons.append(f"returns no LSE: decode context parallelism (dcp={ctx.decode_context_parallel_size}) merges "
+                       "the ranks' partial outputs by it")
     if ctx.sinks and not spec.sinks:
         reasons.append("applies no attention sink: the model's learned per-head sinks would be dropped")
     if phase == DECODE and ctx.cuda_graphs and dev.is_gpu and not spec.graph_safe:

@@ -258,6 +258,9 @@ class KernelSpec:
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
     :param sinks: applies a per-head sink logit in both phases (the entry's ``sink=``, or
         ``sinks=`` on the DeepSeek-V4 surface); a model with sinks is served only by such kernels.
+    :param returns_lse: the entry returns the softmax LSE with its output (``return_lse=True``,
+        ``lse_base``); decode context parallelism merges the ranks' partial outputs by it, so only
+        such kernels serve a context with ``decode_context_parallel_size > 1``.
     :param description: one line for tables.
     :param envelope_note: where ``envelope``'s facts come from when they are not the installed
         package's (a table shipped with the plugin for a package missing here); the decision
@@ -296,6 +299,7 @@ class KernelSpec:
     precision: str = EXACT
     accuracy: AccuracyBound | None = None
     sinks: bool = False
+    returns_lse: bool = False
 
     def __post_init__(self) -> None:
         owner = f"KernelSpec({self.name!r})"
@@ -357,7 +361,8 @@ class SelectionContext:
     :param model_arch: HF ``architectures[0]``.
     :param model_name: the served model's name or path (matched by per-model config).
     :param kv_cache_dtype: ``"fp8_ds_mla"``, ``"bf16"``, or what the engine was given.
-    :param num_heads: attention heads per rank (after tensor parallelism).
+    :param num_heads: query heads one attention call sees: heads per rank after tensor parallelism,
+        times ``decode_context_parallel_size`` (the engine gathers the DCP group's heads for the call).
     :param index_topk: top-k ids a query token's index row holds when the kernels get it: the
         indexer's top-k, or for a pooled indexer (GLM-5.3-Flash) the engine's wider row of token
         ids (vLLM 2176, SGLang 2051).
@@ -388,6 +393,13 @@ class SelectionContext:
         with one call shape (DSA).
     :param release: the engine's release (a key of :data:`mla_sm120_plugin.engines.RELEASES` under
         ``engine``); None: its oldest supported one.
+    :param decode_context_parallel_size: ranks the cache is sharded over by token (decode context
+        parallelism); each call sees one rank's shard and returns its LSE for the engine's merge.
+    :param cp_kv_cache_interleave_size: consecutive tokens a rank owns before the next rank's under DCP
+        (vLLM's ``--cp-kv-cache-interleave-size``).
+    :param index_kpool: indexer keys pooled per top-k pick (GLM-5.3-Flash: 4; else 1).
+    :param index_picks: picks the indexer ranks a row (its top-k over pooled keys: ``index_topk //
+        index_kpool`` of the model's config); None: ``index_topk``.
     """
 
     model_arch: str
@@ -414,12 +426,29 @@ class SelectionContext:
     family: str = DEFAULT_FAMILY
     call: Any = None
     release: str | None = None
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    index_kpool: int = 1
+    index_picks: int | None = None
 
     def kernel_for(self, phase: str) -> str:
         return self.prefill_kernel if phase == PREFILL else self.decode_kernel
 
     def max_tokens_for(self, phase: str) -> int | None:
         return self.max_prefill_tokens if phase == PREFILL else self.max_decode_tokens
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Query heads of one rank (``num_heads`` is what a call sees: the DCP group's, gathered)."""
+        return self.num_heads // self.decode_context_parallel_size
+
+    def heads_text(self) -> str:
+        """The heads a call sees and where they come from, as messages name them."""
+        dcp = self.decode_context_parallel_size
+        if dcp == 1:
+            return f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size})"
+        return (f"heads_per_call={self.num_heads} ({self.heads_per_rank} a rank x dcp={dcp}, "
+                f"tp={self.tensor_parallel_size})")
 
     def describe(self) -> str:
         """The combination, as every selection error names it (the KV dtype as the user spelled it)."""
@@ -428,7 +457,7 @@ class SelectionContext:
         layer = "" if self.call is None else f", layer kind {self.call.kind}"
         return (
             f"model_arch={self.model_arch}{layer}, sm={self.device.sm}, kv_cache_dtype={kv}, "
-            f"heads_per_rank={self.num_heads} (tp={self.tensor_parallel_size}), index_topk={self.index_topk}, "
+            f"{self.heads_text()}, index_topk={self.index_topk}, "
             f"prefill_impl={self.prefill_kernel}, decode_impl={self.decode_kernel}"
         )
 

@@ -111,6 +111,7 @@ FLASHINFER_SPEC = KernelSpec(
     envelope_note=_flashinfer_table_note,
     graph_safe=True,
     sinks=True,
+    returns_lse=True,
     description="FlashInfer's native SM120/SM121 sparse MLA (fp8 Q/P internally)",
     precision=FAST,
     # Q and P are quantized to a single fp8 e4m3 each inside (3 mantissa bits).
@@ -132,6 +133,7 @@ TRITON_FAST_SPEC = KernelSpec(
     probe=_triton_probe,
     graph_safe=True,
     sinks=True,
+    returns_lse=True,
     description="Triton fp8-MMA kernel (block-scaled QMMA on SM12x, emulated on sm_90): e4m3 hi+lo q/p, fp32 partials",
     # q and the probabilities as e4m3 hi + lo pairs: exact class (triton_fast.ACCURACY, the same bound;
     # that module imports torch).
@@ -152,6 +154,7 @@ TRITON_SPEC = KernelSpec(
     probe=_triton_probe,
     graph_safe=True,
     sinks=True,
+    returns_lse=True,
     description="portable Triton kernel, split-K decode, in-kernel fp8 dequant",
     # bf16 dot operands on a GPU (probabilities rounded to 8 bits): 0.4-0.7 % max error measured on an
     # H200 against the fp32 reference; against float64, under the interpreter (which now rounds dot
@@ -173,6 +176,7 @@ TORCH_SPEC = KernelSpec(
     # Chunked loops and boolean masks: not capturable, and far too slow to serve from a graph.
     graph_safe=False,
     sinks=True,
+    returns_lse=True,
     description="torch reference: ground truth, any device, memory-bounded",
     # The ground truth itself, in fp32: what its self-check sees is the rounding of a bf16 output
     # (<= 2**-8 of the magnitude, relRMS ~0.16 %) and fp32 summation order; it proves that it runs

@@ -22,7 +22,7 @@ from ..engines import Engine, for_context, lookup, others
 from ..errors import UnsupportedConfiguration, format_error
 from ..kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, NVFP4_DSV4, NVFP4_RECORD, RECORDS, Dsv4Record
 from ..kernels.shared.host import cdiv
-from ..rules import device_refusal, feature_refusals
+from ..rules import context_parallel_refusals, device_refusal, feature_refusals
 from ..types import DECODE, PHASES, PREFILL, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
 from .base import Shaped
 
@@ -327,6 +327,9 @@ class Dsv4Family:
                 f"pass --kv-cache-dtype {engine.dsv4.kv_spellings[-1]} (or auto)",
             )
         yield from feature_refusals(ctx, "the standard DeepSeek-V4 cache path", "")
+        yield from context_parallel_refusals(
+            ctx, "DeepSeek-V4's window and compressed caches are read whole by each call (no engine shards them by "
+                 "token on any GPU yet); decode context parallelism is served for the DSA models")
 
     def call_from_json(self, fields: Mapping[str, Any] | None) -> Dsv4Call | None:
         return None if fields is None else Dsv4Call(**fields)

@@ -79,7 +79,8 @@ def test_check_json_has_one_schema_for_every_family(capsys):
         reports[model] = json.loads(capsys.readouterr().out)
     glm, v4 = reports["glm-5"], reports["deepseek-v4-flash"]
     assert list(glm) == list(v4) == ["servable", "family", "model_arch", "model_name", "engine", "engine_release",
-                                     "device", "tensor_parallel_size", "kv_cache", "capacity", "layer_kinds",
+                                     "device", "tensor_parallel_size", "decode_context_parallel_size", "kv_cache",
+                                     "capacity", "layer_kinds",
                                      "details", "notes"]
     assert (glm["family"], sorted(glm["layer_kinds"])) == ("dsa", ["dsa"])
     assert (v4["family"], sorted(v4["layer_kinds"])) == ("dsv4", ["c128a", "c4a", "window"])

@@ -566,17 +566,17 @@ def test_a_plugin_refusal_without_supported_or_fix_still_gets_both_parts_and_eve
 
     with pytest.raises(UnsupportedConfiguration) as err:
         select(SelectionContext(GLM_ARCH, "fp8", 64, 2048, parse_device("9.0", source="--sm"),
-                                features=frozenset({"hisparse", "dcp"})), registry=_edge_registry())
+                                features=frozenset({"hisparse", "pcp"})), registry=_edge_registry())
     lines = str(err.value).splitlines()
     for line, start in zip(lines[1:5], ["  - device sm_90: this plugin serves SM12x only",
                                         "  - kv_cache_dtype fp8: no kernel reads that layout",
-                                        "  - dcp is on: decode context parallelism", "  - hisparse is on: HiSparse"]):
+                                        "  - hisparse is on: HiSparse", "  - pcp is on: prefill context parallelism"]):
         assert line.startswith(start), (line, start)
     supported = lines[5]
     assert supported.startswith(f"supported: {SERVED_DEVICE}; fp8_ds_mla (656 B a token")
     assert supported.endswith("; the standard DSA cache and top-k path") and supported.count("standard DSA") == 1
     assert lines[6].startswith("fix: on sm_90 serve without this plugin: drop --attention-backend CUSTOM; ")
-    assert "; set --decode-context-parallel-size 1, or serve without --attention-backend CUSTOM" in lines[6]
+    assert "; set --prefill-context-parallel-size 1, or serve without --attention-backend CUSTOM" in lines[6]
 
 
 def test_a_context_with_an_unknown_scale_format_is_refused():

@@ -1,0 +1,124 @@
+"""Decode context parallelism in the plan (issue 43): ``check --decode-context-parallel-size N`` (``--dcp``).
+
+Every kernel choice is sized by the heads a call sees (heads per rank x N: vLLM gathers the DCP group's
+heads), the capacity says what each GPU keeps (1/N) and what that buys (N x the tokens a GiB), and what
+vLLM refuses or the plugin cannot serve is refused with given / supported / fix: a size that does not
+divide TP, DeepSeek-V4, SGLang's DCP (issue 44), nvfp4_ds_mla under vLLM 0.34 (its config validator),
+an indexer top-k vLLM's DCP merge does not rank, GLM-5.3-Flash's pooled keys split over ranks, and a
+kernel that returns no LSE.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import assert_three_parts, decision_of
+from unit_helpers import _edge_ctx, _edge_registry
+
+from mla_sm120_plugin import cli
+from mla_sm120_plugin.errors import UnsupportedConfiguration
+
+GLM5 = ["check", "--model", "glm-5", "--tp", "8", "--kv-cache-dtype", "fp8_ds_mla"]
+
+
+def _json(capsys, *args: str) -> dict:
+    assert cli.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("dcp", [2, 4, 8])
+@pytest.mark.parametrize("release,sm,kv", [("0.33.0", "12.0", "fp8_ds_mla"), ("0.34.0", "12.1", "fp8_ds_mla"),
+                                           ("0.33.0", "12.1", "nvfp4_ds_mla"), ("0.34.0", "12.0", "bfloat16")])
+def test_the_plan_is_sized_by_the_gathered_heads_and_each_gpu_keeps_one_nth(capsys, dcp, release, sm, kv):
+    report = _json(capsys, "check", "--model", "glm-5", "--sm", sm, "--tp", "8", "--kv-cache-dtype", kv,
+                   "--engine-version", release, "--decode-context-parallel-size", str(dcp))
+    decision = decision_of(report)
+    assert report["decode_context_parallel_size"] == dcp and report["engine_release"] == release
+    assert (decision["heads_per_rank"], decision["heads_per_call"]) == (8, 8 * dcp)  # GLM-5: 64 heads, TP 8
+    assert set(decision["kernels"]) == {"prefill", "decode"}
+    cap = report["capacity"]
+    mine = cap["layouts"][decision["kv_cache_dtype"]]["tokens_per_gib"]
+    assert cap["decode_context_parallel"] == {"size": dcp, "kept_per_gpu": f"1/{dcp}",
+                                              "tokens_per_gib_per_gpu": mine * dcp, "ratio_vs_dcp_1": float(dcp)}
+
+
+def test_the_text_names_the_kernels_at_the_gathered_heads_and_the_tokens_each_gpu_holds(capsys):
+    assert cli.main([*GLM5, "--sm", "12.0", "--dcp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "shape      64 heads a call, gathered over decode context parallel 8 (8 per rank, tensor parallel 8)" in out
+    assert ("dcp        8 ranks share the cache by token: each GPU keeps 1/8 of it, 13,094,408 tokens of context a "
+            "GiB of each GPU per layer in fp8_ds_mla (8.00x dcp 1)") in out  # 1,636,801 x 8
+    assert "decode   flashinfer_sparse_mla    SELECTED" in out and "prefill  flashinfer_sparse_mla    SELECTED" in out
+    assert "CuteDSL" in out  # vLLM's top-k merge, named with what it runs on
+
+
+def test_dcp_1_plans_as_before(capsys):
+    plain, one = _json(capsys, *GLM5, "--sm", "12.0"), _json(capsys, *GLM5, "--sm", "12.0", "--dcp", "1")
+    assert plain == one and "decode_context_parallel" not in plain["capacity"]
+    assert decision_of(plain)["heads_per_call"] == decision_of(plain)["heads_per_rank"] == 8
+
+
+def test_hy_v4_names_the_one_rank_sink(capsys):
+    assert cli.main(["check", "--model", "hy-v4", "--sm", "12.0", "--tp", "4", "--dcp", "2"]) == 0
+    assert "DCP rank 0 applies every head's sink and folds it into the LSE it returns" in capsys.readouterr().out
+
+
+def test_glm53_flash_needs_its_pools_on_one_rank(capsys):
+    args = ["check", "--model", "glm-5.3-flash", "--sm", "12.0", "--tp", "4", "--dcp", "2"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--cp-kv-cache-interleave-size 1 for an indexer that pools 4 keys a pick" in err
+    assert "fix: pass --cp-kv-cache-interleave-size 4" in err
+    assert cli.main([*args, "--cp-kv-cache-interleave-size", "4"]) == 0
+
+
+@pytest.mark.parametrize("args,given", [
+    (["--model", "glm-5", "--tp", "8", "--dcp", "3"], "--decode-context-parallel-size 3 with tensor_parallel_size=8"),
+    (["--model", "deepseek-v4-flash", "--tp", "4", "--dcp", "2"],
+     "--decode-context-parallel-size 2: DeepSeek-V4's window and compressed caches are read whole"),
+    (["--model", "glm-5", "--tp", "4", "--dcp", "2", "--engine", "sglang"], "--dcp-size 2 under SGLang 0.5.23"),
+    (["--model", "glm-5", "--tp", "8", "--dcp", "4", "--kv-cache-dtype", "nvfp4_ds_mla", "--engine-version", "0.34.0"],
+     "vLLM 0.34.0 refuses it at config"),
+])
+def test_what_cannot_be_served_under_dcp_is_refused_in_three_parts(capsys, args, given):
+    assert cli.main(["check", "--sm", "12.0", *args]) == 2
+    err = capsys.readouterr().err.removeprefix("mla-sm120 check: UnsupportedConfiguration: ")
+    assert given in err
+    assert_three_parts(err[err.index("given: "):])  # a multi-kind plan first names the kinds
+
+
+def test_an_indexer_top_k_vllms_merge_does_not_rank_is_refused(tmp_path, capsys):
+    from model_configs import write_model
+
+    model = write_model(tmp_path, "glm", index_topk=256, heads=64)
+    assert cli.main(["check", "--model", model, "--sm", "12.0", "--tp", "8"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "--model", model, "--sm", "12.0", "--tp", "8", "--dcp", "2"]) == 2
+    assert "an indexer of top-k 256: vLLM's DCP top-k merge ranks 512/1024/2048 picks a row" in capsys.readouterr().err
+
+
+def test_a_kernel_without_an_lse_serves_no_dcp_context():
+    import dataclasses
+
+    from mla_sm120_plugin.selection import select
+
+    reg = _edge_registry()  # a third-party kernel of the highest priority; returns_lse left False
+    ctx = _edge_ctx(heads=16)
+    assert select(ctx, registry=reg).decode == "edge"
+    dcp = select(dataclasses.replace(ctx, decode_context_parallel_size=2), registry=reg)
+    assert dcp.decode != "edge"
+    (why,) = {r for rej in dcp.rejections if rej.kernel == "edge" for r in rej.reasons}
+    assert why.startswith("returns no LSE: decode context parallelism (dcp=2) merges the ranks' partial outputs")
+
+
+def test_the_context_refuses_a_dcp_size_that_does_not_divide_tp():
+    from mla_sm120_plugin.config import Settings
+    from mla_sm120_plugin.context import EngineLimits, build_context
+    from mla_sm120_plugin.device import parse_device
+    from mla_sm120_plugin.hooks.manager import get_registry
+    from mla_sm120_plugin.modelinfo import resolve_model
+
+    with pytest.raises(UnsupportedConfiguration, match=r"supported: a DCP size that divides the TP size \(1, 2, 4\)"):
+        build_context(resolve_model("glm-5", registry=get_registry()), Settings(), parse_device("12.0", source="--sm"), "fp8_ds_mla",
+                      EngineLimits(tensor_parallel_size=4, decode_context_parallel_size=8))
