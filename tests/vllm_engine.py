@@ -50,16 +50,20 @@ GEOMETRY = {
 def make_vllm_config(model_dir: str, *, cache_dtype: str = "fp8_ds_mla", tp: int = 1,
                      additional_config: dict | None = None, enforce_eager: bool = False,
                      max_num_seqs: int = 256, max_num_batched_tokens: int = 4096, block_size: int = 64,
-                     attention_backend: str | None = None) -> VllmConfig:
+                     attention_backend: str | None = None, dcp: int = 1, interleave: int = 1,
+                     dcp_comm_backend: str | None = None) -> VllmConfig:
     """A real VllmConfig for the tiny model in ``model_dir``, on vLLM's CPU device config
-    (``attention_backend``: what ``--attention-backend`` lands as; None: vLLM's default)."""
+    (``attention_backend``: what ``--attention-backend`` lands as; None: vLLM's default; ``dcp``,
+    ``interleave``, ``dcp_comm_backend``: ``--decode-context-parallel-size``,
+    ``--cp-kv-cache-interleave-size``, ``--dcp-comm-backend``)."""
     model_config = ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
                                max_model_len=4096, enforce_eager=enforce_eager)
     return VllmConfig(
         model_config=model_config,
         device_config=DeviceConfig("cpu"),
         cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=block_size),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                                       cp_kv_cache_interleave_size=interleave, dcp_comm_backend=dcp_comm_backend),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=4096, is_encoder_decoder=False),
         attention_config=AttentionConfig(backend=attention_backend) if attention_backend else AttentionConfig(),
@@ -103,6 +107,22 @@ def one_rank(vllm_config: VllmConfig) -> Iterator[None]:
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
+
+
+def sm120_pick(cls, selected_backend, attn_selector_config, num_heads=None):
+    """What vLLM's CUDA platform's ``get_attn_backend_cls`` answers on SM 12.0 (its module needs libcuda to
+    import, so its rule is restated here, narrowed to sparse MLA): a selected backend if it validates
+    (``--attention-backend CUSTOM``: the plugin's, which decides while it validates), else its SM120
+    sparse-MLA backend. A test sets it on the platform's class."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if selected_backend is not None:
+        reasons = selected_backend.get_class().validate_configuration(
+            device_capability=DeviceCapability(12, 0), **attn_selector_config._asdict())
+        if reasons:
+            raise ValueError(f"Selected backend {selected_backend} is not valid: {reasons}")
+        return selected_backend.get_path()
+    return AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120.get_path()
 
 
 def make_impl(vllm_config: VllmConfig, *, heads: int, topk: int, kv_cache_dtype: str, scale: float = GLM_SCALE,
@@ -198,15 +218,17 @@ def kv_cache_spec(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, *, he
 
 
 def build_metadata(vllm_config: VllmConfig, kv_cache_dtype: str, topk: int, cam, *, page: int = 64,
-                   head_size: int = 576):
+                   head_size: int = 576, dcp_manager=None):
     """vLLM's own metadata builder (the plugin's subclass) on ``cam``, for one layer (``head_size``:
-    576, or 512 for a rope-less model)."""
+    576, or 512 for a rope-less model; ``dcp_manager``: the layer's MLADCPManager under DCP, which
+    the builder asks for)."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 
     byte_rows = impl_row_bytes(kv_cache_dtype, head_size) if kv_cache_dtype in ("fp8_ds_mla", "nvfp4_ds_mla") else None
-    vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None)
+    vllm_config.compilation_config.static_forward_context[LAYER] = types.SimpleNamespace(prefill_backend=None,
+                                                                                         dcp_manager=dcp_manager)
     spec = MlaSm120Backend.customize_spec(MLAAttentionSpec(
         block_size=page, num_kv_heads=1, head_size=head_size, dtype=torch.uint8 if byte_rows else torch.bfloat16,
         cache_dtype_str=kv_cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),

@@ -17,7 +17,7 @@ import pytest
 import torch
 from model_configs import write_model
 from vllm_engine import (build_metadata, common_metadata, construction_context, logical_topk, make_impl,
-                         make_vllm_config, one_rank as vllm_one_rank)
+                         make_vllm_config, one_rank as vllm_one_rank, sm120_pick)
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
@@ -120,21 +120,6 @@ def one_rank(hy_dir):
         yield
 
 
-def _sm120_pick(cls, selected_backend, attn_selector_config, num_heads=None):
-    """What vLLM's CUDA platform answers on SM 12.0 (its module needs libcuda to import, so its rule is
-    restated here, narrowed to sparse MLA): a selected backend if it validates (``--attention-backend
-    CUSTOM``: the plugin's, which decides while it validates), else its SM120 sparse-MLA backend."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    if selected_backend is not None:
-        reasons = selected_backend.get_class().validate_configuration(
-            device_capability=DeviceCapability(12, 0), **attn_selector_config._asdict())
-        if reasons:
-            raise ValueError(f"Selected backend {selected_backend} is not valid: {reasons}")
-        return selected_backend.get_path()
-    return AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120.get_path()
-
-
 @pytest.fixture
 def sm120(monkeypatch, one_rank):
     """The platform reads as SM 12.0 (on its class: vLLM's capability checks are classmethods) and
@@ -146,7 +131,7 @@ def sm120(monkeypatch, one_rank):
     monkeypatch.setattr(platform, "device_type", "cpu")
     monkeypatch.setattr(platform, "get_device_capability",
                         classmethod(lambda cls, device_id=0: DeviceCapability(12, 0)))
-    monkeypatch.setattr(platform, "get_attn_backend_cls", classmethod(_sm120_pick))
+    monkeypatch.setattr(platform, "get_attn_backend_cls", classmethod(sm120_pick))
     register()
 
 

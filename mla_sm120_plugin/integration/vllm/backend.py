@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     align_blocks_to_rows,
     flat_kv_row_view,
     triton_convert_req_index_to_global_index,
+    triton_filter_and_convert_dcp_index,
 )
 
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
@@ -39,6 +40,7 @@ from .translate import current_vllm_config, device_capability, plan_from_vllm, r
 logger = logging.getLogger(LOGGER_NAME)
 
 BACKEND_NAME = "MLA_SM120_SPARSE"  # not an in-tree name: those switch on name-keyed special cases
+DCP_FILTER_ROWS = 128  # triton_filter_and_convert_dcp_index's tile: top-k rows a multiple of it wide
 
 
 def decide(vllm_config: Any, kv_cache_dtype: str | None, major: int, minor: int) -> Decision:
@@ -160,13 +162,24 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
 
     supports_dense_mha_prefill = False  # every token goes through forward_mqa
     supports_pcp = False
-    supports_dcp = False
+    # Decode context parallelism: every kernel the plan binds returns its LSE (KernelSpec.returns_lse;
+    # the plan refuses one that does not), in natural log, which is what vLLM's merge is told here.
+    supports_dcp = True
+    can_return_lse_for_decode = True
+    lse_base_on_e = True
+    # Speculative rows under DCP with an interleave > 1: each row's candidates are explicit ids from
+    # the indexer, filtered per row by owner; no kernel derives a causal bound from rank-local lengths.
+    supports_mtp_with_cp_non_trivial_interleave_size = True
 
     def __init__(self, *args: Any, sinks: torch.Tensor | None = None, **kwargs: Any) -> None:
         # vLLM's sparse-MLA base takes no sinks; HY V4 passes its [heads] fp32 sink parameter here
         # and loads the weights into it later, so the parameter itself is kept, never a copy.
         super().__init__(*args, **kwargs)
         self._mla_sm120_sinks = _checked_sinks(sinks, self.num_heads)
+        # Under DCP the call's heads are the DCP group's: the sinks the kernel applies are gathered
+        # the same way once the weights are in (process_weights_after_loading).
+        self._mla_sm120_call_sinks: torch.Tensor | None = self._mla_sm120_sinks if self.dcp_world_size == 1 else None
+        self._mla_sm120_sinks_gathered = False
         vllm_config = current_vllm_config()
         if vllm_config is None:
             raise UnsupportedConfiguration(
@@ -192,7 +205,30 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         reads the layer's own geometry."""
         return TOKEN_BYTES[lookup("vllm", release()).kv_layout(self.kv_cache_dtype, None, self.qk_rope_head_dim)]
 
-    def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        self.gather_sinks()
+
+    def gather_sinks(self) -> None:
+        """Under DCP, the sinks of every head a call sees, for the one rank that applies them.
+
+        A sink is one more term of a head's softmax denominator; vLLM's merge adds the ranks'
+        partial softmaxes, so exactly one rank (DCP rank 0) applies it and folds it into the LSE it
+        returns; the others apply none. The heads of a call are the DCP group's, gathered in group
+        order (``MLADCPManager.query_gather``), so the sinks are gathered by the same group.
+        """
+        if self._mla_sm120_sinks is None or self.dcp_world_size == 1:
+            return
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        gathered = get_dcp_group().all_gather(self._mla_sm120_sinks.detach().contiguous(), dim=0)
+        self._mla_sm120_call_sinks = gathered if self.dcp_rank == 0 else None
+        self._mla_sm120_sinks_gathered = True
+
+    def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+             topk_length: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run ``phase``'s kernel into ``out``; under DCP return its LSE [T, H] fp32, natural log, with
+        this rank's sink term (if it applies the sinks) folded in."""
         kernel = self._mla_sm120_kernels[phase]
         if not kernel.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise KernelUnavailable(
@@ -202,11 +238,21 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
-        sink = {} if self._mla_sm120_sinks is None else {"sink": self._mla_sm120_sinks}
-        kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
-                    scale_format=self.decision.scale_format, **sink)
+        sinks = self._mla_sm120_call_sinks
+        sink = {} if sinks is None else {"sink": sinks}
+        if self.dcp_world_size == 1:
+            kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
+                        scale_format=self.decision.scale_format, **sink)
+            return None
+        _, lse = kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
+                             scale_format=self.decision.scale_format, topk_length=topk_length, return_lse=True,
+                             lse_base="e", **sink)
+        # The kernel's LSE leaves the sink out (out carries it: out *= e^lse / (e^lse + e^sink)); the
+        # merge weighs this rank by e^lse, so the sink's term joins the LSE here, on this rank only.
+        return lse if sinks is None else torch.logaddexp(lse, sinks.to(lse.dtype)[None, :])
 
-    def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, None]:
+    def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
+                    layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sparse MQA over the DSA cache for every row of the batch.
 
         q: ([N, H, 512], [N, H, 64]) bfloat16 (ql_nope may be a strided view) or packed [N, H, 576];
@@ -215,7 +261,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             rope part), [num_blocks, block_size, 352] uint8 (nvfp4_ds_mla) or
             [num_blocks, block_size, 576 or 512] bfloat16; block stride may exceed
             block_size rows
-        returns: (out [N, H, 512] in q's dtype, None)
+        returns: (out [N, H, 512] in q's dtype, None); under decode context parallelism (out, lse
+            [N, H] float32) over the ids this rank owns (:meth:`_forward_dcp`)
 
         The kernels get the cache as 64-row pages of vLLM's flat row view (slots are rows of it),
         the geometry FlashInfer's SM120 kernels are built for; blocks are whole 64-row pages apart
@@ -224,6 +271,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         if isinstance(q, tuple):
             # [N, H, 576] contiguous; a rope-less model's q_pe is empty and ql_nope is the whole q.
             q = q[0] if q[1].shape[-1] == 0 else torch.cat(q, dim=-1)
+        if self.dcp_world_size > 1:
+            return self._forward_dcp(q, kv_c_and_k_pe_cache, attn_metadata)
         n = q.shape[0]
         logical = self.topk_indices_buffer[:n]  # [N, topk] positions within each request, -1 padded
         kv_rows, stride_rows = flat_kv_row_view(kv_c_and_k_pe_cache, attn_metadata.block_size)  # [rows, C]
@@ -250,6 +299,46 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd])
             self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:])
         return out, None
+
+    def _forward_dcp(self, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the call under decode context parallelism: attention over the top-k
+        ids this rank owns, and the LSE vLLM's merge weighs it by.
+
+        q: [N, H, D] bfloat16, H the DCP group's heads (gathered by vLLM's MLADCPManager)
+        kv_cache: this rank's shard of the cache (the tokens it owns), as in :meth:`forward_mqa`
+        returns: (out [N, H, 512] in q's dtype, lse [N, H] float32, natural log; a row with no owned
+            id: out 0, lse -inf, or the sink on the rank that applies it)
+        """
+        if self._mla_sm120_sinks is not None and not self._mla_sm120_sinks_gathered:
+            raise UnsupportedConfiguration(format_error(
+                "a DCP attention call before the layer's sinks were gathered over the DCP group",
+                "vLLM's process_weights_after_loading before the first forward",
+                "load the model through vLLM's loader (it calls process_weights_after_loading)"))
+        n = q.shape[0]
+        logical = self.topk_indices_buffer[:n]  # [N, topk] positions within each request, -1 padded
+        # vLLM's owner filter takes rows a multiple of 128 wide: pad with -1 (no candidate).
+        width = -(-logical.shape[1] // DCP_FILTER_ROWS) * DCP_FILTER_ROWS
+        if width != logical.shape[1]:
+            logical = torch.nn.functional.pad(logical, (0, width - logical.shape[1]), value=-1)
+        kv_rows, stride_rows = flat_kv_row_view(kv_cache, attn_metadata.block_size)
+        # This rank's owned ids (owner = position // interleave % dcp), as slots of its own cache,
+        # compacted to a prefix of each row; counts bound the prefix.
+        slots, counts = triton_filter_and_convert_dcp_index(
+            attn_metadata.req_id_per_token[:n], attn_metadata.block_table, logical.contiguous(),
+            dcp_size=self.dcp_world_size, dcp_rank=self.dcp_rank,
+            cp_kv_cache_interleave_size=attn_metadata.cp_kv_cache_interleave_size,
+            BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=stride_rows, NUM_TOPK_TOKENS=width,
+            return_valid_counts=True,
+        )
+        pages = page_view(kv_rows)
+        out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]: the gathered heads
+        nd = attn_metadata.num_decode_tokens
+        if self._mla_sm120_single_kernel or nd == n or nd == 0:
+            lse = self._run(DECODE if nd == n or self._mla_sm120_single_kernel else PREFILL, q, pages, slots, out, counts)
+        else:
+            lse = torch.cat((self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd], counts[:nd]),
+                             self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:], counts[nd:])))
+        return out, lse
 
 
 def _checked_sinks(sinks: Any, num_heads: int) -> torch.Tensor | None:

@@ -57,10 +57,12 @@ INTERNALS: tuple[Internal, ...] = (
              changed={_V34: "new sparse_mla_shard_q (default on): it applies to impls that set supports_shardq, which the "
                             "plugin's leaves False"}),
     Internal("vllm.config.parallel.ParallelConfig",
-             "reads prefill and decode context-parallel sizes by name",
-             "the kernels see whole requests: prefill CP refused for DeepSeek-V4, decode CP a refused feature",
+             "reads prefill and decode context-parallel sizes and the DCP interleave by name",
+             "prefill CP is refused (the calls take no PCP metadata); the DCP size is a plan input (the heads a "
+             "call sees, the cache each GPU keeps)",
              "nothing: vLLM's config", _R,
-             ("dsv4: .prefill_context_parallel_size", "translate: .decode_context_parallel_size"),
+             ("dsv4: .prefill_context_parallel_size", "translate: .decode_context_parallel_size",
+              "translate: .prefill_context_parallel_size", "translate: .cp_kv_cache_interleave_size"),
              changed=_SAME),
     Internal("vllm.config.model.ModelConfig",
              "reads hf_text_config (a DSA layer's geometry), beside hf_config, model and architectures",
@@ -120,6 +122,21 @@ INTERNALS: tuple[Internal, ...] = (
              "logical -> global slot ids on CUDA when the top-k width is a multiple of 128 (its assertion); "
              "otherwise the binding's logical_to_global does the same in a few graph-safe torch ops",
              "the kernels read global slots", "the indexer writing global slots", _R,
+             changed=_SAME),
+    Internal("vllm.v1.attention.backends.mla.sparse_utils.triton_filter_and_convert_dcp_index",
+             "under DCP, keeps this rank's owned ids of each top-k row (owner = position // "
+             "cp_kv_cache_interleave_size % DCP) as slots of its own cache, compacted to a prefix with valid "
+             "counts; the top-k row is padded with -1 to its 128-wide tile first",
+             "each rank holds 1/DCP of the cache; vLLM's own sparse-MLA base filters the same way",
+             "nothing: vLLM's own DCP filter", _R, changed=_SAME),
+    Internal("vllm.v1.attention.backend.AttentionImpl",
+             "sets supports_dcp, can_return_lse_for_decode and lse_base_on_e (natural log) on the impl and reads "
+             "dcp_world_size / dcp_rank; forward_mqa returns (out, lse) under DCP; process_weights_after_loading "
+             "(super()'s first) gathers HY V4's sinks over the DCP group for the one rank that applies them",
+             "vLLM's selector keeps a backend under DCP only if its impl says so; vLLM gathers q's heads over the DCP "
+             "group and merges the ranks' outputs by the LSE in the declared base (cp_lse_ag_out_rs / all-to-all)",
+             "nothing: vLLM's DCP contract for attention impls", _R,
+             ("backend: super().process_weights_after_loading", "vllm.distributed.parallel_state.get_dcp_group"),
              changed=_SAME),
     # --- the DeepSeek-V4 binding ------------------------------------------------------------------------------
     Internal(f"{_V4}.nvidia.model._select_dsv4_attn_cls",

@@ -65,10 +65,14 @@ def engine_limits(vllm_config: Any) -> EngineLimits:
     features = set()
     if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
         features.add("hisparse")
-    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
-        features.add("dcp")
+    if (getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+        features.add("pcp")
     return EngineLimits(
         tensor_parallel_size=parallel.tensor_parallel_size,
+        # The heads of the DCP group are gathered for each call (MLADCPManager), so the plan sizes
+        # every kernel choice and the self-check by heads per rank x this.
+        decode_context_parallel_size=getattr(parallel, "decode_context_parallel_size", 1) or 1,
+        cp_kv_cache_interleave_size=getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1,
         max_decode_tokens=min(sched.max_num_seqs * decode_q, sched.max_num_batched_tokens),
         max_prefill_tokens=sched.max_num_batched_tokens,
         cuda_graphs=(not model_config.enforce_eager and comp.cudagraph_mode is not None

@@ -1,0 +1,263 @@
+"""One DCP rank of vLLM on the CPU: the plugin's impl inside vLLM's own decode-context-parallel pieces.
+
+:func:`run_ranks` starts ``world`` processes (spawn) that join one gloo group through vLLM's own
+``init_distributed_environment`` / ``initialize_model_parallel`` with TP = DCP = ``world``; each rank
+(:func:`_rank`) then runs every case the way vLLM's DSA attention layer does under DCP
+(``models/deepseek_v32/attention.py``):
+
+- the impl is built by :func:`vllm_engine.make_impl` (selector first; ``dcp_world_size`` / ``dcp_rank``
+  from vLLM's DCP group) and, for a model with sinks, gets them through vLLM's
+  ``process_weights_after_loading`` hook;
+- the rank's cache holds only the tokens it owns (``position // interleave % world``, at
+  ``position // (interleave * world) * interleave + position % interleave`` of its own block table);
+- the layer's ``MLADCPManager`` (vLLM's) gathers q's heads over the group, the impl's ``forward_mqa``
+  runs on the gathered q (vLLM's owner filter inside), and the manager's ``combine`` merges the ranks'
+  outputs by their LSE in the base the impl declares, scattering the heads back.
+
+Each rank returns its merged output for its own heads and the float64 attention over the whole
+cache for the same heads, both computed here; the test compares them. Imported by the children, so
+nothing runs at import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import traceback
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+PAGE, STRIDE_ROWS, NUM_BLOCKS = 64, 128, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One DCP call: model, cache, kernels per phase, interleave, merge backend, batch."""
+
+    name: str
+    model: str = "glm"  # vllm_engine.GEOMETRY key (hyv4 uses the glm geometry, with sinks)
+    kv: str = "fp8_ds_mla"
+    decode_kernel: str = "triton_sparse_mla"
+    prefill_kernel: str = "torch_sparse_mla"
+    interleave: int = 1
+    comm: str = "a2a"  # vLLM's --dcp-comm-backend: "a2a" or "ag_rs" (its default)
+    heads: int = 3  # heads a rank (odd); a call sees heads x world
+    topk: int = 512  # the smallest index_topk vLLM's DCP top-k merge takes; rows hold fewer ids
+    q_lens: tuple[int, ...] = (1, 1, 3, 4)  # decodes first; a 3-row request: 1 + 2 draft tokens
+    seq_lens: tuple[int, ...] = (150, 9, 70, 40)
+    sinks: bool = False
+    # Rows whose ids are rewritten: "padded" (no id: length 0), "first_rank" (only positions the
+    # first rank owns, so the others have none).
+    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank")))
+
+
+def _owner_local(pos: int, world: int, interleave: int) -> tuple[int, int]:
+    return (pos // interleave) % world, (pos // (interleave * world)) * interleave + pos % interleave
+
+
+def _problem(case: Case, world: int):
+    """Everything every rank agrees on (one seed): per-request token rows, q, sinks, top-k ids."""
+    from vllm_engine import logical_topk
+
+    from mla_sm120_plugin.kernels.dsa.pack import dequantize, pack
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))  # the same in every process
+    width = 512 if case.model == "glm53" else 576
+    rows, rows64 = [], []
+    for sl in case.seq_lens:
+        latent = torch.randn(sl, width, generator=gen)
+        packed = pack(latent, _layout(case), "arbitrary")
+        rows.append(packed)
+        rows64.append(dequantize(packed, _layout(case)).double())
+    n = sum(case.q_lens)
+    logical = logical_topk(gen, list(case.q_lens), list(case.seq_lens), case.topk)
+    starts = [sum(case.q_lens[:r]) for r in range(len(case.q_lens))]
+    for row, kind in case.special:
+        t = starts[row]
+        logical[t] = -1
+        if kind == "first_rank":
+            visible = case.seq_lens[row] - case.q_lens[row] + 1
+            mine = [p for p in range(visible) if _owner_local(p, world, case.interleave)[0] == 0][: case.topk]
+            logical[t, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+    q = torch.randn(n, case.heads * world, width, generator=gen).to(torch.bfloat16)
+    sinks = (torch.randn(case.heads * world, generator=gen) * 2).float() if case.sinks else None
+    return rows, rows64, q, logical, sinks
+
+
+def _layout(case: Case) -> str:
+    """The layout the installed vLLM writes for the case's ``--kv-cache-dtype`` and model."""
+    from mla_sm120_plugin.context import kv_layout
+    from mla_sm120_plugin.engines import installed_release
+
+    return kv_layout(case.kv, "vllm", 12, 0 if case.model == "glm53" else 64, release=installed_release("vllm"))
+
+
+def owned(pos, world: int, interleave: int, rank: int):
+    """Which of the positions ``pos`` (a tensor) rank ``rank`` keeps."""
+    return (pos // interleave) % world == rank
+
+
+def expected(case: Case, rows64, q, logical, sinks, scale: float, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 attention of every row over its ids in the whole cache, the sink one more logit of the
+    denominator; a row with no id: 0 (and LSE -inf, or the sink). ``keep(pos)``: only the ids it
+    keeps (one rank's partial). Returns (out [T, H, 512], lse [T, H] natural log, sink included)."""
+    out = torch.zeros(q.shape[0], q.shape[1], 512, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    req_of = torch.repeat_interleave(torch.arange(len(case.q_lens)), torch.tensor(case.q_lens))
+    for t in range(q.shape[0]):
+        pos = logical[t][logical[t] >= 0].long()
+        if keep is not None:
+            pos = pos[keep(pos)]
+        k = rows64[int(req_of[t])][pos]  # [n, width]
+        s = scale * (q[t].double() @ k.T)  # [H, n]
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
+        if s.shape[1] == 0:
+            continue
+        lse[t] = torch.logsumexp(s, dim=-1)
+        out[t] = torch.softmax(s, dim=-1)[:, : k.shape[0]] @ k[:, :512]
+    return out, lse
+
+
+def _local_cache(case: Case, rows, world: int, rank: int):
+    """This rank's cache (blocks ``STRIDE_ROWS`` rows apart, as vLLM interleaves layers) holding only the
+    tokens it owns, and its block table (request -> its own blocks)."""
+    from mla_sm120_plugin.kernels.dsa.pack import cache_dtype, token_width
+
+    lay = _layout(case)
+    backing = torch.zeros(NUM_BLOCKS * STRIDE_ROWS, token_width(lay), dtype=cache_dtype(lay))
+    # Each request's local blocks, from the rank's end of the pool down (not 0, 1, 2: a wrong table shows).
+    table = [[NUM_BLOCKS - 1 - 3 * r - b for b in range(3)] for r in range(len(case.seq_lens))]
+    kept = 0
+    for r, sl in enumerate(case.seq_lens):
+        for p in range(sl):
+            who, local = _owner_local(p, world, case.interleave)
+            if who == rank:  # the rank keeps only what it owns
+                backing[table[r][local // PAGE] * STRIDE_ROWS + local % PAGE] = rows[r][p]
+                kept += 1
+    return backing.view(NUM_BLOCKS, STRIDE_ROWS, -1)[:, :PAGE], table, kept
+
+
+def _interpretable_ag_rs() -> None:
+    """vLLM's AG+RS merge launches its correction kernel through a launcher that counts the kernel's
+    ``constexprs``, an attribute of a compiled ``JITFunction`` that Triton's interpreter
+    (``InterpretedFunction``) lacks; give the interpreted kernel the same list (vLLM's code is run as is)."""
+    from vllm.v1.attention.ops import dcp
+
+    kernel = dcp._CORRECT_ATTN_CP_OUT_KERNEL.kernel
+    if not hasattr(kernel, "constexprs"):
+        kernel.constexprs = [i for i, p in enumerate(inspect.signature(kernel.fn).parameters.values())
+                             if "constexpr" in str(p.annotation)]
+
+
+def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.ops.dcp import MLADCPManager
+    from vllm_engine import GEOMETRY, build_metadata, common_metadata, make_impl, make_vllm_config
+
+    from mla_sm120_plugin.integration.vllm import translate
+
+    translate.reset_for_tests()
+    geometry = GEOMETRY["glm53" if case.model == "glm53" else "glm"]
+    scale = (geometry["qk_nope_head_dim"] + geometry["qk_rope_head_dim"]) ** -0.5
+    vc = make_vllm_config(model_dir, cache_dtype=case.kv, tp=world, dcp=world, interleave=case.interleave,
+                          dcp_comm_backend=case.comm, enforce_eager=True,
+                          additional_config={"mla_sm120": {"decode_kernel": case.decode_kernel,
+                                                            "prefill_kernel": case.prefill_kernel}})
+    rows, rows64, q, logical, sinks = _problem(case, world)
+    mine = slice(rank * case.heads, (rank + 1) * case.heads)
+    sink_param = None
+    if case.sinks:
+        sink_param = torch.full((case.heads,), float("-inf"))  # as vLLM's make_attention_sink makes it
+    impl = make_impl(vc, heads=case.heads, topk=case.topk, kv_cache_dtype=case.kv, scale=scale, load_device="cpu",
+                     model="glm53" if case.model == "glm53" else "glm",
+                     **({"sinks": sink_param} if sink_param is not None else {}))
+    if sink_param is not None:
+        sink_param.copy_(sinks[mine])  # the checkpoint's values, loaded after construction
+        impl.process_weights_after_loading(torch.bfloat16)  # vLLM's hook, after the loader
+    if case.comm == "ag_rs":
+        _interpretable_ag_rs()
+    with set_current_vllm_config(vc):
+        manager = MLADCPManager(vc, torch.device("cpu"), num_heads=case.heads,
+                                query_head_dim=q.shape[2], output_head_dim=512, query_dtype=torch.bfloat16,
+                                output_dtype=torch.bfloat16, padded_num_heads=None,
+                                is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False)
+    kv_cache, table, owned_rows = _local_cache(case, rows, world, rank)
+    cam = common_metadata(list(case.q_lens), list(case.seq_lens), table, page=PAGE, stride_rows=STRIDE_ROWS)
+    md = build_metadata(vc, case.kv, case.topk, cam, head_size=q.shape[2], dcp_manager=manager)
+    n = q.shape[0]
+    impl.topk_indices_buffer[:n] = logical
+    gathered = manager.query_gather(q[:, mine].contiguous())
+    out, lse = impl.forward_mqa(gathered, kv_cache, md, layer=None)
+    partial, partial_lse = out.float(), lse.clone()  # vLLM's AG+RS merge rescales its input in place
+    merged = manager.combine(out, lse, seq_lens=None, query_start_loc=None)
+    return {"merged": merged.float(), "out": partial, "lse": partial_lse, "gathered_heads": gathered.shape[1],
+            "decision": (impl.decision.prefill, impl.decision.decode), "decision_heads": impl.decision.context.num_heads,
+            "num_decode_tokens": md.num_decode_tokens, "owned_rows": owned_rows, "scale": scale}
+
+
+def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue) -> None:
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+        from vllm_engine import make_vllm_config
+
+        import vllm.model_executor.layers.attention.sparse_mla_attention as sma
+
+        sma.PIN_MEMORY = False  # what vLLM's CPU-less platform lacks (as the cpu_vllm fixture sets it)
+        base = make_vllm_config(next(iter(model_dirs.values())), tp=world, dcp=world)
+        with set_current_vllm_config(base):
+            ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                            distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ps.initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world,
+                                         backend="gloo")
+        results = {}
+        for case in cases:
+            try:
+                results[case.name] = _run_case(case, world, rank, model_dirs[case.model])
+            except Exception:
+                results[case.name] = traceback.format_exc()
+        queue.put((rank, results))
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    except Exception:
+        queue.put((rank, traceback.format_exc()))
+
+
+def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -> dict:
+    """Run ``cases`` on ``world`` gloo ranks; rank -> case name -> result (or a traceback string).
+
+    The children run Triton kernels in its interpreter on CPU tensors (``TRITON_INTERPRET=1``) and see
+    no CUDA device (``CUDA_VISIBLE_DEVICES=""``: else vLLM swaps Triton for a placeholder on a machine
+    without a driver); both are set for them only.
+    """
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    os.environ.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    try:
+        procs = [ctx.Process(target=_rank, args=(r, world, port, model_dirs, cases, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return results
