@@ -417,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", required=True, help="profile name (glm-5, deepseek-v3.2), model directory or config.json")
     check.add_argument("--sm", help="plan for this GPU instead of this machine's: 12.0, 12.1, sm_121, 9.0, cpu, rocm")
     check.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (divides the heads)")
-    check.add_argument("--decode-context-parallel-size", "--dcp", type=_positive_int, default=1,
-                       help="decode context parallel size (vLLM's flag; divides --tp): each GPU keeps 1/N of the cache")
+    check.add_argument("--decode-context-parallel-size", "--dcp", "--dcp-size", type=_positive_int, default=1,
+                       help="decode context parallel size (vLLM's flag; SGLang's --dcp-size; divides --tp): each GPU "
+                            "keeps 1/N of the cache")
     check.add_argument("--cp-kv-cache-interleave-size", type=_positive_int, default=1,
                        help="under DCP: consecutive tokens a rank owns (vLLM's flag; GLM-5.3-Flash needs a multiple of 4)")
     check.add_argument("--engine", choices=tuple(ENGINES), default="vllm",

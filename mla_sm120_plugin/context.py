@@ -42,7 +42,7 @@ class EngineLimits:
     :param max_prefill_tokens: most query tokens one prefill call sees; None when unbounded.
     :param cuda_graphs: decode is captured in CUDA graphs.
     :param features: engine features switched on that change the cache or top-k path
-        (``"hisparse"``, ``"dcp"``); see :data:`mla_sm120_plugin.rules.FEATURE_REASONS`.
+        (``"hisparse"``, ``"pcp"``); see :data:`mla_sm120_plugin.rules.FEATURE_REASONS`.
     :param engine: whose spellings and flags apply (a key of :data:`mla_sm120_plugin.engines.ENGINES`).
     :param scale_format: how the engine's cache writer stores fp8 scales when that is the engine's
         fact rather than the model's; None: the engine's own (:attr:`Engine.scale_format`; None

@@ -352,7 +352,6 @@ SGLANG = Engine(
     },
     feature_flags={
         "hisparse": "drop --enable-hisparse",
-        "dcp": "set --dcp-size 1",
         "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
     },
     dcp_flag="--dcp-size",

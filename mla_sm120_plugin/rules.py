@@ -25,8 +25,6 @@ SERVED_SM_FAMILIES = frozenset({12})
 # reads their layout. Each maps to why, for the message.
 FEATURE_REASONS = {
     "hisparse": "HiSparse writes the cache through another path and remaps top-k through its own index group",
-    "dcp": "decode context parallelism under SGLang: its DCP path calls TRT-LLM's SM100 sparse kernels, and the "
-           "plugin's SGLang binding does not take those calls yet",
     "pcp": "prefill context parallelism shards prefill over ranks; the plugin's calls take no PCP metadata",
     "skip_softmax": "skip-softmax changes the attention output the kernels compute",
 }

@@ -376,7 +376,7 @@ class SelectionContext:
     :param forced_by: where a forced kernel came from, for messages (``"--decode-kernel"``).
     :param tensor_parallel_size: the engine's TP size (``num_heads`` is already divided by it).
     :param features: engine features switched on that change how the cache is written or top-k
-        is read (``"hisparse"``, ``"dcp"``, ...); the built-in policy refuses those no kernel reads.
+        is read (``"hisparse"``, ``"pcp"``, ...); the built-in policy refuses those no kernel reads.
     :param engine: the engine decided for (a key of :data:`mla_sm120_plugin.engines.ENGINES`):
         whose flags and spellings messages use.
     :param kv_cache_dtype_given: the ``--kv-cache-dtype`` value as the user wrote it for that

@@ -110,7 +110,7 @@ def test_bf16_cache_and_forced_kernels(tmp_path, capability, monkeypatch):
 
 @pytest.mark.parametrize("setting, needle", [
     (dict(enable_hisparse=True), "hisparse is on"),
-    (dict(dcp_size=2), "dcp is on"),
+    (dict(dcp_size=2, tp_size=2), "--dcp-size 2 under SGLang 0.5.23: SGLang 0.5.23 decodes DCP through TRT-LLM"),
 ])
 def test_what_the_kernels_cannot_read_is_refused(tmp_path, capability, monkeypatch, setting, needle):
     capability(12, 0)

@@ -276,7 +276,7 @@ def test_profile_geometry_must_match_what_the_kernels_read():
 
 
 @pytest.mark.parametrize("feature, needle", [("hisparse", "HiSparse writes the cache"),
-                                             ("dcp", "decode context parallelism"),
+                                             ("pcp", "prefill context parallelism"),
                                              ("index_kpool", "an engine feature this plugin does not know"),
                                              ("something_new", "an engine feature this plugin does not know")])
 def test_engine_features_the_kernels_cannot_read_are_refused(reg, feature, needle):

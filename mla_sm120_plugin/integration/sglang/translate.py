@@ -43,8 +43,6 @@ def _engine_features(view: Any) -> frozenset[str]:
     features = set()
     if getattr(view, "enable_hisparse", False):
         features.add("hisparse")
-    if (getattr(view, "dcp_size", 1) or 1) > 1:
-        features.add("dcp")
     if any(os.environ.get(name.rpartition(".")[2]) for name in SKIP_SOFTMAX):
         features.add("skip_softmax")
     return frozenset(features)
@@ -162,6 +160,8 @@ def engine_limits(view: Any, hf_config: Any = None) -> EngineLimits:
         max_decode = int(running) * per_request if running else None
     return EngineLimits(
         tensor_parallel_size=attn_tp,
+        # --dcp-size: the plan refuses it until the SGLang binding takes DCP calls (Engine.dcp_refused).
+        decode_context_parallel_size=int(getattr(view, "dcp_size", 1) or 1),
         max_decode_tokens=max_decode,
         max_prefill_tokens=int(chunk) if chunk and chunk > 0 else None,
         cuda_graphs=not getattr(view, "disable_cuda_graph", False),
