@@ -111,12 +111,12 @@ def build_context(
     """
     tp, dcp = limits.tensor_parallel_size, limits.decode_context_parallel_size
     if tp % dcp:
-        engine = limits.facts
+        engine, divisors = limits.facts, [d for d in range(1, tp + 1) if tp % d == 0]
         raise UnsupportedConfiguration(format_error(
             f"{engine.dcp_flag} {dcp} with tensor_parallel_size={tp}: decode context parallelism shards the "
             "cache over ranks of the tensor-parallel group",
-            f"a DCP size that divides the TP size ({', '.join(str(d) for d in range(1, tp + 1) if tp % d == 0)})",
-            f"pass {engine.dcp_flag} {max(d for d in range(1, tp + 1) if tp % d == 0 and d <= dcp)}, "
+            f"a DCP size that divides the TP size ({', '.join(map(str, divisors))})",
+            f"pass {engine.dcp_flag} {max(d for d in divisors if d <= dcp)}, "
             f"or raise the TP size to a multiple of {dcp}"))
     return SelectionContext(
         model_arch=facts.arch,

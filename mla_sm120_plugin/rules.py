@@ -87,4 +87,3 @@ def context_parallel_refusals(ctx: SelectionContext, unserved: str = "") -> Iter
     elif unserved:
         yield Refusal(f"{given}: {unserved}", f"{engine.dcp_flag} 1 for this model",
                       f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
-

@@ -27,6 +27,7 @@ import socket
 import traceback
 import zlib
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -239,20 +240,12 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
-    os.environ.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    try:
-        procs = [ctx.Process(target=_rank, args=(r, world, port, model_dirs, cases, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dirs, cases, queue)) for r in range(world)]
+    with mock.patch.dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""):  # the children's only
         for p in procs:
             p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         results = dict(queue.get(timeout=timeout) for _ in procs)
     finally:

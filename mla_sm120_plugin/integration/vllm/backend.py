@@ -287,18 +287,22 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                 logical, attn_metadata.req_id_per_token, attn_metadata.block_table,
                 block_size=attn_metadata.block_size, block_stride_rows=stride_rows,
             )
-        pages = page_view(kv_rows)  # [rows / 64, 64, C]
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]
-        nd = attn_metadata.num_decode_tokens
-        if self._mla_sm120_single_kernel or nd == n:
-            self._run(DECODE, q, pages, slots, out)
-        elif nd == 0:
-            self._run(PREFILL, q, pages, slots, out)
-        else:
-            # Decode rows come first in vLLM's reordered batch.
-            self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd])
-            self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:])
+        self._run_phases(q, page_view(kv_rows), slots, out, attn_metadata.num_decode_tokens)
         return out, None
+
+    def _run_phases(self, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, nd: int,
+                    topk_length: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each phase's kernel on its rows (``nd`` decode rows first, as vLLM reorders the batch); under DCP
+        the rows' LSE [N, H], else None."""
+        n = q.shape[0]
+        if self._mla_sm120_single_kernel or nd == n or nd == 0:
+            phase = DECODE if self._mla_sm120_single_kernel or nd == n else PREFILL
+            return self._run(phase, q, pages, slots, out, topk_length)
+        head, tail = (None, None) if topk_length is None else (topk_length[:nd], topk_length[nd:])
+        lse = (self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd], head),
+               self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:], tail))
+        return None if lse[0] is None else torch.cat(lse)
 
     def _forward_dcp(self, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the call under decode context parallelism: attention over the top-k
@@ -330,15 +334,8 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=stride_rows, NUM_TOPK_TOKENS=width,
             return_valid_counts=True,
         )
-        pages = page_view(kv_rows)
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]: the gathered heads
-        nd = attn_metadata.num_decode_tokens
-        if self._mla_sm120_single_kernel or nd == n or nd == 0:
-            lse = self._run(DECODE if nd == n or self._mla_sm120_single_kernel else PREFILL, q, pages, slots, out, counts)
-        else:
-            lse = torch.cat((self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd], counts[:nd]),
-                             self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:], counts[nd:])))
-        return out, lse
+        return out, self._run_phases(q, page_view(kv_rows), slots, out, attn_metadata.num_decode_tokens, counts)
 
 
 def _checked_sinks(sinks: Any, num_heads: int) -> torch.Tensor | None:
