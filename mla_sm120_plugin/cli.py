@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from . import envs
 from .errors import MlaSm120Error
@@ -101,6 +101,7 @@ def _check(args: argparse.Namespace) -> int:
     cfg = plugin_config(flags or None, kernel_names=reg.kernels, config_file=args.config,
                         inline_label="command-line flags")
     release, why = _engine_release(args.engine, args.engine_version)
+    features = _engine_features(args.engine, release, args.engine_feature or ())
     limits = EngineLimits(
         tensor_parallel_size=args.tp,
         decode_context_parallel_size=args.decode_context_parallel_size,
@@ -108,6 +109,7 @@ def _check(args: argparse.Namespace) -> int:
         max_decode_tokens=args.max_decode_tokens,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graphs=not args.enforce_eager,
+        features=features,
         engine=args.engine,
         release=release,
     )
@@ -117,6 +119,25 @@ def _check(args: argparse.Namespace) -> int:
     planned = dataclasses.replace(planned, notes=(*planned.notes, f"planned for {limits.facts.versioned} ({why})"))
     _emit(_json(to_dict(planned)) if args.json else explain(planned))
     return EXIT_OK
+
+
+def _engine_features(name: str, release: str, given: Iterable[str]) -> frozenset[str]:
+    """``--engine-feature`` values, each one the engine has (a setting that changes the cache or top-k path,
+    or one the engine refuses under decode context parallelism).
+
+    :raises ConfigError: a feature the engine does not have (given / supported / fix).
+    """
+    from .engines import lookup
+    from .errors import ConfigError, format_error
+
+    engine = lookup(name, release)
+    known = sorted({*engine.feature_flags, *engine.dcp_features})
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(format_error(f"--engine-feature {' '.join(unknown)} with --engine {name}",
+                                       f"{engine.label}'s features: {', '.join(known)}",
+                                       f"pass one of those, or plan with the engine that has it (--engine)"))
+    return frozenset(given)
 
 
 def _engine_release(name: str, given: str | None) -> tuple[str, str]:
@@ -445,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DeepSeek-V4: draft tokens a step (with --dspark, vLLM widens decode window rows)")
     check.add_argument("--dspark", action="store_true", help="DeepSeek-V4: the draft model is DSpark")
     check.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (allows the torch reference for decode)")
+    check.add_argument("--engine-feature", action="append", metavar="NAME",
+                       help="an engine setting you will turn on (repeatable): vLLM hisparse, pcp; SGLang hisparse, "
+                            "skip_softmax, and hicache, pd_disaggregation, eagle_topk (--speculative-eagle-topk > 1), "
+                            "which SGLang refuses under --dcp-size > 1")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=_check)
 

@@ -130,6 +130,11 @@ class Engine:
     :param dcp_layouts_refused: cache layouts the engine refuses under DCP -> why.
     :param dcp_refused: why the plugin's binding under this engine does not serve decode context
         parallelism (empty: it does).
+    :param dcp_features: engine features (:attr:`~mla_sm120_plugin.types.SelectionContext.features`) the
+        engine refuses under DCP only -> (its words, the fix); the plugin serves them without DCP.
+    :param dcp_kpool_refused: why the engine refuses DCP for a pooled indexer (``index_kpool`` > 1)
+        whatever the interleave (empty: a pooled key's tokens are kept on one rank by the interleave).
+    :param dcp_sink_owner: which DCP rank applies a head's learned sink (a plan note under DCP).
     """
 
     name: str
@@ -167,6 +172,9 @@ class Engine:
     dcp_merge_picks: tuple[int, ...] = ()
     dcp_merge_note: str = ""
     dcp_layouts_refused: Mapping[str, str] = field(default_factory=dict)
+    dcp_features: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    dcp_kpool_refused: str = ""
+    dcp_sink_owner: str = ""
 
     @property
     def versioned(self) -> str:
@@ -268,6 +276,8 @@ VLLM = Engine(
     dcp_merge_note=("vLLM merges the ranks' index top-k with its CuteDSL kernel (_merge_dcp_topk_global; "
                     "nvidia-cutlass-dsl, a vLLM dependency; no SM gate in its code, not yet run on an SM12x GPU by "
                     "this project)"),
+    # The impl gathers the [heads] sinks over the DCP group once, after the weights load (gather_sinks).
+    dcp_sink_owner="DCP rank 0 applies every head's sink (the sinks gathered over the DCP group after the weights load)",
     nope_layouts={FP8_DS_MLA: FP8_DS_MLA_NOPE, BF16: BF16_NOPE},
     # vLLM 0.33 writes nvfp4_ds_mla in its DSA models' fused_norm_rope only (DeepSeek-V3.2 geometry);
     # its own reader, FLASHMLA_SPARSE, refuses it off SM100.
@@ -355,8 +365,25 @@ SGLANG = Engine(
         "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
     },
     dcp_flag="--dcp-size",
-    dcp_refused=("SGLang 0.5.23 decodes DCP through TRT-LLM's sparse kernels (SM100) and the plugin's SGLang binding "
-                 "does not take its DCP calls yet"),
+    # SGLang's DSA DCP (arg_groups/model_overrides/deepseek_v2.py, _dsa_dcp_overrides): slot % dcp owns a token,
+    # one token at a time (no interleave flag); the indexer's cache is replicated, so no top-k merge.
+    dcp_merge_note=("SGLang merges the ranks' partial outputs by their base-2 LSE (cp_lse_ag_out_rs_mla, or "
+                    "dcp_a2a_lse_reduce under --dcp-comm-backend a2a); its indexer cache is replicated, so every "
+                    "rank picks the same top-k; with --mla-sm120 the DSA backends are the plugin's, not trtllm "
+                    "(which SGLang forces under --dcp-size > 1 and which does not run on SM12x)"),
+    dcp_features={
+        "hicache": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support HiSparse or HiCache.'",
+                    "drop --enable-hierarchical-cache"),
+        "pd_disaggregation": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support PD disaggregation.'",
+                              "serve without --disaggregation-mode"),
+        "eagle_topk": ("SGLang 0.5.23 refuses it: 'DSA DCP requires --speculative-eagle-topk 1.'",
+                       "pass --speculative-eagle-topk 1"),
+    },
+    dcp_kpool_refused=("SGLang 0.5.23 refuses it: 'a pooled index key spans positions owned by different DCP "
+                       "ranks' (it shards the cache one token at a time)"),
+    # SGLang alone refuses HY V4 under DCP (no single owner for the sinks); the plugin lifts that refusal.
+    dcp_sink_owner=("each head's sink is applied by the DCP rank whose heads they are (its own sink parameter, no "
+                    "gather; SGLang alone refuses --dcp-size > 1 for HY V4, --mla-sm120 lifts that refusal)"),
     # _dsa_kv_cache_dtype_default: auto -> fp8_e4m3 for DSA models on SM >= 10 (no learnable sinks).
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model

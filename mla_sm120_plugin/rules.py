@@ -66,7 +66,7 @@ def device_refusal(device: DeviceInfo, engine: Engine, words: tuple[str, str, st
 def feature_refusals(ctx: SelectionContext, path: str, fix_tail: str) -> Iterator[Refusal]:
     """One refusal a switched-on engine feature of ``ctx`` (``path``: what the kernels read instead)."""
     engine = for_context(ctx)
-    for feature in sorted(ctx.features):
+    for feature in sorted(ctx.features - set(engine.dcp_features)):  # those only DCP refuses: _dcp_refusals
         yield Refusal(f"{feature} is on: {FEATURE_REASONS.get(feature, 'an engine feature this plugin does not know')}",
                       path, f"{engine.feature_flags.get(feature, f'turn {feature} off')}{fix_tail}")
 

@@ -17,3 +17,14 @@ def resolve(model_dir: str, **kw) -> tuple[str, str]:
     overrides.run_post_process_pass(sa, overrides._dsa_split_backend_resolution)
     view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
     return view.dsa_prefill_backend, view.dsa_decode_backend
+
+
+def launch(model_dir: str, **kw) -> tuple[str, str, str]:
+    """SGLang's launcher's model adjustments (``handle_model_specific_adjustments``: its per-model overrides, then
+    the DSA passes, the plugin's among them); the DSA backends and KV dtype the resolved arguments name."""
+    from sglang.srt.arg_groups import model_hook
+
+    sa = server_args(model_dir, **kw)
+    model_hook.handle_model_specific_adjustments(sa)
+    view = overrides.ResolvedView(sa, overlay=overrides._declaration_overlay(sa))
+    return view.dsa_prefill_backend, view.dsa_decode_backend, view.kv_cache_dtype

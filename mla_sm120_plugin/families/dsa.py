@@ -116,8 +116,16 @@ def _dcp_refusals(ctx: SelectionContext, engine: Engine) -> Iterator[Refusal]:
                       f"{'/'.join(map(str, engine.dcp_merge_picks))} picks a row",
                       f"an index_topk of {', '.join(map(str, engine.dcp_merge_picks))} under DCP",
                       f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
+    for feature in sorted(ctx.features & set(engine.dcp_features)):
+        words, fix = engine.dcp_features[feature]
+        yield Refusal(f"{given} with {feature} on: {words}", f"{feature} off under {given}, or {engine.dcp_flag} 1",
+                      f"{fix}, or set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
     kpool, interleave = ctx.index_kpool, ctx.cp_kv_cache_interleave_size
-    if kpool > 1 and interleave % kpool:
+    if kpool > 1 and engine.dcp_kpool_refused:
+        yield Refusal(f"{given} for an indexer that pools {kpool} keys a pick: {engine.dcp_kpool_refused}",
+                      f"{engine.dcp_flag} 1 for this model under {engine.versioned}",
+                      f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
+    elif kpool > 1 and interleave % kpool:
         yield Refusal(f"{given} with {engine.dcp_interleave_flag} {interleave} for an indexer that pools {kpool} keys "
                       f"a pick: a pooled key's {kpool} tokens must live on one rank ({engine.label} raises at model "
                       "build otherwise)",
@@ -174,9 +182,9 @@ class DsaFamily:
         if base.decode_context_parallel_size > 1 and engine.dcp_merge_note:
             notes += (engine.dcp_merge_note,)
         if base.sinks and base.decode_context_parallel_size > 1:
-            notes += (f"learned sinks under decode context parallelism: DCP rank 0 applies every head's sink and folds "
-                     f"it into the LSE it returns, the other {base.decode_context_parallel_size - 1} rank(s) apply "
-                     "none, so the merged softmax counts each sink once",)
+            notes += (f"learned sinks under decode context parallelism: {engine.dcp_sink_owner}. That rank folds a "
+                      "head's sink into the LSE it returns and the others apply none for that head, so the merged "
+                      "softmax counts each sink once",)
         return Shaped(contexts={KIND: base}, kv_cache=base.kv_cache_dtype, notes=notes)
 
     def check_kv_cache_dtype(self, engine: Engine) -> str:

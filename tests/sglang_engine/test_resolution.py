@@ -7,11 +7,11 @@ import logging
 import pytest
 from helpers import run_cli
 from model_configs import write_model
-from sglang_launch import resolve, server_args
+from sglang_launch import launch, resolve, server_args
 from sglang.srt.arg_groups import overrides
 
 from mla_sm120_plugin.context import context_from_json
-from mla_sm120_plugin.errors import UnsupportedConfiguration
+from mla_sm120_plugin.errors import MlaSm120Error, UnsupportedConfiguration
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON, TRITON_FAST
@@ -108,15 +108,81 @@ def test_bf16_cache_and_forced_kernels(tmp_path, capability, monkeypatch):
     assert (ctx.prefill_kernel, ctx.decode_kernel, ctx.kv_cache_dtype, ctx.index_topk) == (TORCH, TRITON, "bf16", 1000)
 
 
-@pytest.mark.parametrize("setting, needle", [
-    (dict(enable_hisparse=True), "hisparse is on"),
-    (dict(dcp_size=2, tp_size=2), "--dcp-size 2 under SGLang 0.5.23: SGLang 0.5.23 decodes DCP through TRT-LLM"),
-])
-def test_what_the_kernels_cannot_read_is_refused(tmp_path, capability, monkeypatch, setting, needle):
+def test_what_the_kernels_cannot_read_is_refused(tmp_path, capability, monkeypatch):
     capability(12, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(UnsupportedConfiguration, match=needle):
-        resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3", **setting)
+    with pytest.raises(UnsupportedConfiguration, match="hisparse is on"):
+        resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3", enable_hisparse=True)
+
+
+def _sglang_alone(monkeypatch) -> None:
+    monkeypatch.setenv(names.ENABLE_ENV, "0")
+    monkeypatch.delenv(names.PLAN_ENV, raising=False)
+
+
+def test_dcp_on_sm12x_resolves_to_the_plugins_kernels_not_trtllm(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = write_model(tmp_path, "glm", heads=16)
+    # SGLang's launcher: its DSA DCP override declares trtllm (SM100 kernels), then the plugin's pass decides.
+    assert launch(model, tp_size=2, dcp_size=2, kv_cache_dtype="fp8_e4m3") == (dsa.ROUTE, dsa.ROUTE, "fp8_e4m3")
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
+    assert (ctx.decode_context_parallel_size, ctx.heads_per_rank, ctx.num_heads) == (2, 8, 16)  # gathered heads
+    _sglang_alone(monkeypatch)  # without the opt-in SGLang's own overrides are unchanged
+    assert launch(model, tp_size=2, dcp_size=2, kv_cache_dtype="fp8_e4m3")[:2] == ("trtllm", "trtllm")
+
+
+def test_hy_v4_under_dcp_is_served_with_the_opt_in_and_refused_by_sglang_without(tmp_path, capability, monkeypatch):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = write_model(tmp_path, "hyv4", heads=16, layer_types=["deepseek_sparse_attention"] * 2)
+    assert launch(model, tp_size=2, dcp_size=2) == (dsa.ROUTE, dsa.ROUTE, "bfloat16")  # SGLang's forced bf16
+    ctx = translate.imported("plan", "a test")[dsa.KIND]
+    assert ctx.sinks and ctx.decode_context_parallel_size == 2 and ctx.kv_cache_dtype == "bf16"
+    _sglang_alone(monkeypatch)
+    with pytest.raises(ValueError, match="does not provide single-owner semantics for learnable attention sinks"):
+        launch(model, tp_size=2, dcp_size=2)
+
+
+@pytest.mark.parametrize("kind", ["glm", "hyv4"])
+@pytest.mark.parametrize("setting, words", [
+    (dict(enable_hierarchical_cache=True), "DSA DCP does not support HiSparse or HiCache."),
+    (dict(speculative_eagle_topk=2), "DSA DCP requires --speculative-eagle-topk 1."),
+])
+def test_sglangs_own_dcp_refusals_stand_with_the_opt_in(tmp_path, capability, monkeypatch, kind, setting, words):
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # HY V4's too: the plugin lifts only SGLang's sink refusal and keeps its DSA DCP checks. SGLang's own
+    # error, from its model overrides, before the plugin's plan (which refuses the same, in SGLang's words,
+    # for `mla-sm120 check`).
+    model = write_model(tmp_path, kind, heads=16, **({"layer_types": ["deepseek_sparse_attention"] * 2}
+                                                       if kind == "hyv4" else {}))
+    with pytest.raises(ValueError, match=words.replace(".", r"\.")) as err:
+        launch(model, tp_size=2, dcp_size=2, **setting)
+    assert not isinstance(err.value, MlaSm120Error)
+
+
+def test_a_call_at_another_dcp_size_than_planned_is_refused(tmp_path, capability, monkeypatch):
+    import types
+
+    import torch
+
+    from mla_sm120_plugin.errors import KernelInputError
+
+    capability(12, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(names.INLINE_CONFIG_ENV, f'{{"prefill_kernel": "{TORCH}", "decode_kernel": "{TRITON}"}}')
+    launch(write_model(tmp_path, "glm", heads=16), tp_size=2, dcp_size=2, kv_cache_dtype="bfloat16",
+           disable_cuda_graph=True)
+    q, cache = torch.zeros(1, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+
+    def call(*_args, **_kwargs):
+        return dsa.around_call(None, q, cache, torch.zeros(1, 64, dtype=torch.int32), None, sm_scale=0.04)
+
+    backend = types.SimpleNamespace(dcp_size=1, dcp_rank=0)  # SGLang's backend, built without DCP
+    with pytest.raises(KernelInputError, match="a call at dcp_size=1 .* for a plan at --dcp-size 2"):
+        dsa.around_forward_decode(call, backend, q, None, None, types.SimpleNamespace(layer_id=0),
+                                  types.SimpleNamespace())
 
 
 def test_skip_softmax_is_refused(tmp_path, capability, monkeypatch):

@@ -3,9 +3,12 @@
 Every kernel choice is sized by the heads a call sees (heads per rank x N: vLLM gathers the DCP group's
 heads), the capacity says what each GPU keeps (1/N) and what that buys (N x the tokens a GiB), and what
 vLLM refuses or the plugin cannot serve is refused with given / supported / fix: a size that does not
-divide TP, DeepSeek-V4, SGLang's DCP (issue 44), nvfp4_ds_mla under vLLM 0.34 (its config validator),
-an indexer top-k vLLM's DCP merge does not rank, GLM-5.3-Flash's pooled keys split over ranks, and a
-kernel that returns no LSE.
+divide TP, DeepSeek-V4, nvfp4_ds_mla under vLLM 0.34 (its config validator), an indexer top-k vLLM's DCP
+merge does not rank, GLM-5.3-Flash's pooled keys split over ranks, and a kernel that returns no LSE.
+
+SGLang's ``--dcp-size N`` (issue 44) plans the same way, with SGLang's facts: its merge (no top-k merge: its
+indexer cache is replicated), its sink owner (the rank whose heads they are), and its own DCP refusals in its
+words (HiCache, PD disaggregation, ``--speculative-eagle-topk`` > 1, a pooled indexer), served without DCP.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ def test_dcp_1_plans_as_before(capsys):
 
 def test_hy_v4_names_the_one_rank_sink(capsys):
     assert cli.main(["check", "--model", "hy-v4", "--sm", "12.0", "--tp", "4", "--dcp", "2"]) == 0
-    assert "DCP rank 0 applies every head's sink and folds it into the LSE it returns" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "learned sinks under decode context parallelism: DCP rank 0 applies every head's sink" in out
+    assert "the others apply none for that head, so the merged softmax counts each sink once" in out
 
 
 def test_glm53_flash_needs_its_pools_on_one_rank(capsys):
@@ -77,7 +82,6 @@ def test_glm53_flash_needs_its_pools_on_one_rank(capsys):
     (["--model", "glm-5", "--tp", "8", "--dcp", "3"], "--decode-context-parallel-size 3 with tensor_parallel_size=8"),
     (["--model", "deepseek-v4-flash", "--tp", "4", "--dcp", "2"],
      "--decode-context-parallel-size 2: DeepSeek-V4's window and compressed caches are read whole"),
-    (["--model", "glm-5", "--tp", "4", "--dcp", "2", "--engine", "sglang"], "--dcp-size 2 under SGLang 0.5.23"),
     (["--model", "glm-5", "--tp", "8", "--dcp", "4", "--kv-cache-dtype", "nvfp4_ds_mla", "--engine-version", "0.34.0"],
      "vLLM 0.34.0 refuses it at config"),
 ])
@@ -122,3 +126,59 @@ def test_the_context_refuses_a_dcp_size_that_does_not_divide_tp():
     with pytest.raises(UnsupportedConfiguration, match=r"supported: a DCP size that divides the TP size \(1, 2, 4\)"):
         build_context(resolve_model("glm-5", registry=get_registry()), Settings(), parse_device("12.0", source="--sm"), "fp8_ds_mla",
                       EngineLimits(tensor_parallel_size=4, decode_context_parallel_size=8))
+
+
+SGLANG_GLM5 = ["check", "--engine", "sglang", "--model", "glm-5", "--sm", "12.0", "--tp", "8", "--kv-cache-dtype",
+               "fp8_e4m3"]
+
+
+def test_sglang_plans_its_dcp_size_at_the_gathered_heads(capsys):
+    report = _json(capsys, *SGLANG_GLM5, "--dcp-size", "4")
+    decision = decision_of(report)
+    assert (decision["heads_per_rank"], decision["heads_per_call"]) == (8, 32)
+    assert set(decision["kernels"]) == {"prefill", "decode"}
+    assert report["capacity"]["decode_context_parallel"]["ratio_vs_dcp_1"] == 4.0
+    assert cli.main([*SGLANG_GLM5, "--dcp-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "32 heads a call, gathered over decode context parallel 4 (8 per rank, tensor parallel 8)" in out
+    assert "SGLang merges the ranks' partial outputs by their base-2 LSE" in out and "CuteDSL" not in out
+
+
+def test_sglang_hy_v4_under_dcp_names_its_sink_owner_and_the_lifted_refusal(capsys):
+    assert cli.main(["check", "--engine", "sglang", "--model", "hy-v4", "--sm", "12.0", "--tp", "4",
+                     "--dcp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "each head's sink is applied by the DCP rank whose heads they are" in out
+    assert "SGLang alone refuses --dcp-size > 1 for HY V4, --mla-sm120 lifts that refusal" in out
+
+
+@pytest.mark.parametrize("extra,given,fix", [
+    (["--engine-feature", "hicache"], "--dcp-size 4 with hicache on: SGLang 0.5.23 refuses it: 'DSA DCP does not "
+     "support HiSparse or HiCache.'", "drop --enable-hierarchical-cache, or set --dcp-size 1"),
+    (["--engine-feature", "pd_disaggregation"], "'DSA DCP does not support PD disaggregation.'",
+     "serve without --disaggregation-mode"),
+    (["--engine-feature", "eagle_topk"], "'DSA DCP requires --speculative-eagle-topk 1.'",
+     "pass --speculative-eagle-topk 1"),
+])
+def test_sglangs_own_dcp_refusals_in_its_words_and_only_under_dcp(capsys, extra, given, fix):
+    assert cli.main([*SGLANG_GLM5, "--dcp-size", "4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert given in err and fix in err
+    assert_three_parts(err[err.index("given: "):])
+    assert cli.main([*SGLANG_GLM5, *extra]) == 0  # served without DCP
+
+
+def test_sglang_refuses_a_pooled_indexer_under_dcp_whatever_the_interleave(capsys):
+    args = ["check", "--engine", "sglang", "--model", "glm-5.3-flash", "--sm", "12.0", "--tp", "4", "--dcp-size", "2"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "an indexer that pools 4 keys a pick: SGLang 0.5.23 refuses it" in err
+    assert "fix: set --dcp-size 1" in err
+    assert cli.main(args[:-2]) == 0
+
+
+def test_an_engine_feature_the_engine_lacks_is_refused(capsys):
+    assert cli.main([*SGLANG_GLM5, "--engine-feature", "pcp"]) == 2
+    err = capsys.readouterr().err
+    assert "given: --engine-feature pcp with --engine sglang" in err
+    assert "SGLang's features: eagle_topk, hicache, hisparse, pd_disaggregation, skip_softmax" in err

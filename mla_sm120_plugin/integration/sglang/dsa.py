@@ -28,8 +28,9 @@ from ...kernels.dsa.layout import get as get_layout
 from ...report import log_line
 from ...selection import DECODE_TOKENS_MAX
 from ...types import DECODE, PREFILL, SelectionContext
-from . import bound, hooks, translate
+from . import bound, dcp, hooks, translate
 from .bound import BoundState
+from .dcp import Site
 from .names import LOGGER, enabled
 
 logger = logging.getLogger(LOGGER)
@@ -52,6 +53,8 @@ BUFFERS = "sglang.srt.runtime_context.get_buffer"
 _phase: contextvars.ContextVar[str | None] = contextvars.ContextVar("mla_sm120_phase", default=None)
 # The call's [heads] fp32 sink logits (a model with learned sinks), from forward_decode / forward_extend.
 _sink: contextvars.ContextVar[Any] = contextvars.ContextVar("mla_sm120_sink", default=None)
+# Where the call comes from (backend, layer, top-k ids): what a DCP rank's share needs (:mod:`.dcp`).
+_site: contextvars.ContextVar[Site] = contextvars.ContextVar("mla_sm120_site", default=Site())
 ROOM = "dsa"  # this room's bound state (:mod:`.bound`)
 
 
@@ -130,7 +133,8 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
     float8_e4m3fn bytes or [slots, 1, 576] bfloat16 (rope-less: [slots, 1, 528] bytes or
     [slots, 1, 512] bfloat16); indices: [T, topk] int32 global slots, -1 padded (2051 wide for
     GLM-5.3-Flash); seq_lens: [T] int32 valid top-k entries a row, or rows of another count (then
-    unused). Returns [T, H, 512] bfloat16.
+    unused). Returns [T, H, 512] bfloat16; under ``--dcp-size`` N (H: the DCP group's heads) this rank's
+    share and its LSE, as SGLang's merge takes them (:func:`.dcp.rank_share`).
     """
     if not enabled():
         return original_fn(q, kv_cache, indices, seq_lens, workspace_buffer, **kwargs)
@@ -152,10 +156,21 @@ def around_call(original_fn: Callable[..., Any], q: Any, kv_cache: Any, indices:
             f"{'with' if ctx.sinks else 'without'} them",
             "the sinks the launcher's plan read from the model's config (learnable_sink)",
             "restart SGLang so that its launcher plans this model again"))
-    return bound_kind.kernels[phase].call(q, pages(ctx, kv_cache), indices, sm_scale=float(kwargs["sm_scale"]),
-                                          kv_layout=ctx.kv_cache_dtype, topk_length=lengths,
-                                          scale_format=bound_kind.decision.scale_format,
-                                          **({} if sink is None else {"sink": sink}))
+    site = _site.get()
+    if site.size != ctx.decode_context_parallel_size:
+        raise KernelInputError(format_error(
+            f"a call at dcp_size={site.size} (SGLang's DSA backend) for a plan at --dcp-size "
+            f"{ctx.decode_context_parallel_size}", "the DCP size the launcher planned for",
+            "restart SGLang so that its launcher plans this --dcp-size"))
+    kernel, cache = bound_kind.kernels[phase], pages(ctx, kv_cache)
+
+    def call(q_: Any, slots: Any, topk_length: Any, **extra: Any) -> Any:
+        return kernel.call(q_, cache, slots, sm_scale=float(kwargs["sm_scale"]), kv_layout=ctx.kv_cache_dtype,
+                           topk_length=topk_length, scale_format=bound_kind.decision.scale_format, **extra)
+
+    if site.size > 1:
+        return dcp.rank_share(call, site, q, indices, sink)
+    return call(q, indices, lengths, **({} if sink is None else {"sink": sink}))
 
 
 def around_kpool_tail_check(original_fn: Callable[..., Any], backend: Any, topk_indices: Any, dsa_impl: str,
@@ -173,11 +188,15 @@ def _in_phase(phase: str, original_fn: Callable[..., Any], *args: Any, **kwargs:
     # backend would refuse it for any kernel but flashmla_sparse (SM90a / SM100f), so the plugin
     # carries it to its own kernel call instead (around_call).
     token, sink_token = _phase.set(phase), _sink.set(kwargs.pop("attn_sink", None))
+    # forward_* (self, q, k, v, layer, forward_batch, ...): SGLang's backend, the layer, the top-k ids.
+    site_token = _site.set(Site(args[0] if args else None, args[4] if len(args) > 4 else kwargs.get("layer"),
+                                kwargs.get("topk_indices")))
     try:
         return original_fn(*args, **kwargs)
     finally:
         _phase.reset(token)
         _sink.reset(sink_token)
+        _site.reset(site_token)
 
 
 def around_forward_decode(original_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

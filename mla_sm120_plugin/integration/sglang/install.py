@@ -1,6 +1,6 @@
 """The bindings' hooks, installed together once the plugin is enabled.
 
-:func:`engine_hooks` registers the DSA and DeepSeek-V4 rooms' tables (AROUND) through
+:func:`engine_hooks` registers the DSA (with its DCP launcher hook) and DeepSeek-V4 rooms' tables (AROUND) through
 :mod:`.hooks`; the package face (:func:`mla_sm120_plugin.integration.sglang.register`, when
 enabled) and the ``--mla-sm120`` action (:mod:`.flags`) call it. The flags' own table (AFTER) is
 registered by the face in every process.
@@ -14,10 +14,11 @@ from . import hooks
 
 
 def engine_tables() -> tuple[dict[str, Callable[..., Any]], ...]:
-    """The bindings' hook tables: DSA's, then DeepSeek-V4's (imported here, not at register time)."""
-    from . import dsa, dsv4
+    """The bindings' hook tables: DSA's, its DCP launcher hook's, then DeepSeek-V4's (imported here, not at
+    register time)."""
+    from . import dcp, dsa, dsv4
 
-    return dsa.HOOKS, dsv4.HOOKS
+    return dsa.HOOKS, dcp.HOOKS, dsv4.HOOKS
 
 
 def engine_targets() -> dict[str, Callable[..., Any]]:

@@ -63,6 +63,25 @@ INTERNALS: tuple[Internal, ...] = (
              "claims SGLang's FlashInfer workspace name (dsa_flashinfer_sparse_mla_workspace) with an empty buffer",
              "SGLang's DSA backend allocates 384 MiB a GPU there for FlashInfer; no kernel of the plugin reads it",
              "a workspace allocated by the kernel that uses it", _R),
+    # --- decode context parallelism (--dcp-size) -----------------------------------------------------------
+    Internal("sglang.srt.arg_groups.overrides._invoke_provider",
+             "AROUND it, in the launcher: for HY V4 under --dcp-size > 1, runs SGLang's DeepSeek-family provider on a "
+             "copy of the record at --dcp-size 1, then adds its DSA DCP declarations (and refusals) for the real size",
+             "SGLang refuses HY V4 under DCP inside that provider (no single owner for its sinks), before any plugin "
+             "pass; the plugin gives each head's sink one owner",
+             "an SGLang DCP check that asks the DSA backend whether it applies sinks once", _R,
+             ("sglang.srt.arg_groups.model_overrides.deepseek_v2._deepseek_family_overrides",
+              "sglang.srt.arg_groups.model_overrides.deepseek_v2._dsa_dcp_overrides",
+              "dcp: ._resolved_overrides", "dcp: .architectures", "dcp: .dcp_size")),
+    Internal("sglang.srt.layers.attention.dsa.dsa_dcp.localize_dcp_page_table",
+             "calls it in each DCP call with the backend's DcpPageTableCache: the call's slots -> this rank's (owned "
+             "first, -1 after) and their counts, reused across layers that share a top-k",
+             "SGLang's own rule for which rank keeps a slot where (the one its DCP cache writer follows)",
+             "a page table SGLang localizes before any DSA call site", _R, ("dcp: ._dcp_page_table_cache",)),
+    Internal("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla.is_mla_dcp_lse_base_on_e",
+             "asks it for the dsa backend: the base SGLang's DCP merge reads the LSE in (2)",
+             "the merge's exp/log pair must match the LSE handed to it",
+             "an LSE base the attention backend declares", _R),
     # --- the DeepSeek-V4 binding -------------------------------------------------------------------------
     Internal("sglang.srt.arg_groups.deepseek_v4_hook.apply_deepseek_v4_defaults",
              "AROUND it, in the launcher: plans every (layer kind, phase) once SGLang resolved its DeepSeek-V4 "
@@ -96,12 +115,13 @@ INTERNALS: tuple[Internal, ...] = (
               "sglang.srt.arg_groups.model_override_base.model_config_of")),
     Internal("sglang.srt.server_args.ServerArgs",
              "reads its fields on SGLang's resolved view: parallelism (tp, attention DP / CP, DCP), batching, "
-             "chunked prefill, CUDA graphs, HiSparse, speculation, the KV dtype, the model's served name and the "
-             "DSA backends it resolved (the re-run check)",
+             "chunked prefill, CUDA graphs, HiSparse, HiCache, PD disaggregation, speculation, the KV dtype, the "
+             "model's served name and the DSA backends it resolved (the re-run check; the user's, under the view)",
              "the plan's engine limits and settings are SGLang's", "resolved settings passed to plugin hooks", _R,
              tuple(f"translate: .{name}" for name in (
                  "tp_size", "attn_dp_size", "attn_cp_size", "dcp_size", "chunked_prefill_size", "disable_cuda_graph",
-                 "enable_hisparse", "max_running_requests", "speculative_algorithm", "speculative_num_draft_tokens",
+                 "enable_hisparse", "enable_hierarchical_cache", "disaggregation_mode", "speculative_eagle_topk",
+                 "max_running_requests", "speculative_algorithm", "speculative_num_draft_tokens",
                  "kv_cache_dtype", "served_model_name")) + ("dsa: .dsa_prefill_backend", "dsa: .dsa_decode_backend")),
     Internal("sglang.srt.arg_groups.overrides.declare_resolution",
              "runs SGLang's speculative resolution on a copy of the record (its declarations, its page-size "

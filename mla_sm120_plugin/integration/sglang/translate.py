@@ -43,6 +43,13 @@ def _engine_features(view: Any) -> frozenset[str]:
     features = set()
     if getattr(view, "enable_hisparse", False):
         features.add("hisparse")
+    # What SGLang refuses under --dcp-size > 1 only (_dsa_dcp_overrides): the plan refuses them there.
+    if getattr(view, "enable_hierarchical_cache", False):
+        features.add("hicache")
+    if getattr(view, "disaggregation_mode", "null") not in (None, "null"):
+        features.add("pd_disaggregation")
+    if getattr(view, "speculative_eagle_topk", None) not in (None, 1):
+        features.add("eagle_topk")
     if any(os.environ.get(name.rpartition(".")[2]) for name in SKIP_SOFTMAX):
         features.add("skip_softmax")
     return frozenset(features)
@@ -160,7 +167,6 @@ def engine_limits(view: Any, hf_config: Any = None) -> EngineLimits:
         max_decode = int(running) * per_request if running else None
     return EngineLimits(
         tensor_parallel_size=attn_tp,
-        # --dcp-size: the plan refuses it until the SGLang binding takes DCP calls (Engine.dcp_refused).
         decode_context_parallel_size=int(getattr(view, "dcp_size", 1) or 1),
         max_decode_tokens=max_decode,
         max_prefill_tokens=int(chunk) if chunk and chunk > 0 else None,
@@ -183,13 +189,24 @@ class Inputs:
     dspark: bool = False
 
 
+def _user_record(view: Any) -> Any:
+    """What the user passed: the record under SGLang's resolved view (its declarations left out: under
+    ``--dcp-size`` > 1 SGLang declares ``trtllm`` for both DSA backends before the plugin's pass, a default of
+    its own, not the user's choice of kernel), or ``view`` itself where it is not one of SGLang's views."""
+    try:
+        from sglang.srt.arg_groups.model_override_base import ResolvedView, ResolvingConfig, record_of
+    except ImportError:
+        return view
+    return record_of(view) if isinstance(view, (ResolvedView, ResolvingConfig)) else view
+
+
 def inputs_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -> Inputs:
     """The plan's inputs for SGLang's resolved arguments on a GPU of ``capability``.
 
     The model's name is ``--served-model-name`` when given, else ``--model-path`` (config sections
     match it). ``--mla-sm120-config`` is the inline source; for a DSA model ``--dsa-prefill-backend``
-    / ``--dsa-decode-backend`` are read as forced kernels within it (another engine impl, such as
-    ``flashmla_kv``, gets the "cannot run here, these can" refusal).
+    / ``--dsa-decode-backend``, as the user passed them, are read as forced kernels within it (another
+    engine impl, such as ``flashmla_kv``, gets the "cannot run here, these can" refusal).
     """
     reg = get_registry()
     facts = facts_from_hf_config(hf_config, name=str(getattr(view, "served_model_name", None) or view.model_path),
@@ -197,9 +214,10 @@ def inputs_from_sglang(view: Any, hf_config: Any, capability: tuple[int, int]) -
     # SGLang's flags that name a plugin kernel per phase, for the model's family (Engine.kernel_flags_by_family)
     flags, fields = lookup("sglang").kernel_flags_by_family.get(facts.family, ("", ()))
     inline: dict[str, Any] = json.loads(os.environ.get(INLINE_CONFIG_ENV) or "{}")
+    user = _user_record(view)
     for key, field in fields:
-        if getattr(view, field, None):
-            inline[key] = getattr(view, field)
+        if getattr(user, field, None):
+            inline[key] = getattr(user, field)
     label = f"{FLAG}-config / {flags}" if flags else f"{FLAG}-config"
     settings = plugin_config(inline or None, kernel_names=reg.kernels, inline_label=label).for_model(facts.name,
                                                                                                      facts.arch)
