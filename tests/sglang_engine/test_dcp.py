@@ -4,10 +4,10 @@ localization inside the plugin's call, its LSE merges).
 
 Each rank's partial (its kernel over the slots it owns, its own heads' sinks) is held to the exact class against
 float64 over the same slots, its LSE to float64's; the merged output to float64 attention over the whole cache.
-SGLang's merges weigh the bf16 partials in fp32 and round the merged sum to bf16 once more: measured 0.23-0.28 %
-relRMS, cos_diff <= 4e-6 against 0.21-0.24 % for the partials, so ``MERGED`` is the exact class widened by that
-one rounding (a sink counted on every rank, the global slots read from a rank's own cache, or a wrong LSE base
-are 5-100 %).
+SGLang's merges weigh the bf16 partials in fp32 and round the merged result to bf16 once more: measured 0.23-0.27 %
+relRMS (all-gather + reduce-scatter) and 0.35-0.37 % (all-to-all), cos_diff <= 7e-6, against 0.14-0.23 % for the
+partials; so ``MERGED`` is the exact class widened by that rounding (a sink counted on every rank, the global slots
+read from a rank's own cache, or an LSE in the wrong base fail every case they touch).
 
 Cases: decode rows, target-verify rows (1 + gamma a request, ``--speculative-eagle-topk 1``), prefill rows
 (causal), a padded row (no id), a row whose ids all sit on rank 0 (the others own none), fp8 (SGLang's
