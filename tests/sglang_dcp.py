@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import traceback
 import types
 import zlib
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 
@@ -246,13 +244,9 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                              use_custom_allreduce=False, group_name="dcp")
         get_parallel().override_permanently(dcp_group=group, attn_dcp_size=world, attn_dcp_rank=rank,
                                             dcp_enabled=True)
-        results = {}
-        for case in cases:
-            try:
-                results[case.name] = _run_case(case, world, rank, model_dirs[case.model])
-            except Exception:
-                results[case.name] = traceback.format_exc()
-        queue.put((rank, results))
+        from gloo_ranks import each_case
+
+        queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
     except Exception:
         queue.put((rank, traceback.format_exc()))
 
@@ -263,24 +257,9 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     The children run Triton kernels (SGLang's and the plugin's) in its interpreter on CPU tensors
     (``TRITON_INTERPRET=1``), see no CUDA device and have the plugin enabled; set for them only.
     """
-    import torch.multiprocessing as mp
+    from gloo_ranks import run_ranks as run
 
     from mla_sm120_plugin.integration.sglang import names
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dirs, cases, queue)) for r in range(world)]
-    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", names.ENABLE_ENV: "1"}):
-        for p in procs:
-            p.start()
-    try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return results
+    env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", names.ENABLE_ENV: "1"}
+    return run(_rank, world, (model_dirs, cases), env, timeout)

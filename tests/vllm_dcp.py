@@ -22,12 +22,9 @@ nothing runs at import.
 from __future__ import annotations
 
 import inspect
-import os
-import socket
 import traceback
 import zlib
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 
@@ -215,13 +212,9 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world,
                                          backend="gloo")
-        results = {}
-        for case in cases:
-            try:
-                results[case.name] = _run_case(case, world, rank, model_dirs[case.model])
-            except Exception:
-                results[case.name] = traceback.format_exc()
-        queue.put((rank, results))
+        from gloo_ranks import each_case
+
+        queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
     except Exception:
@@ -235,22 +228,6 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     no CUDA device (``CUDA_VISIBLE_DEVICES=""``: else vLLM swaps Triton for a placeholder on a machine
     without a driver); both are set for them only.
     """
-    import torch.multiprocessing as mp
+    from gloo_ranks import run_ranks as run
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dirs, cases, queue)) for r in range(world)]
-    with mock.patch.dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""):  # the children's only
-        for p in procs:
-            p.start()
-    try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run(_rank, world, (model_dirs, cases), {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout)

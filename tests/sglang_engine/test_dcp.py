@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_ranks import rank_result
 from model_configs import write_model
 from sglang_dcp import Case, run_ranks
 
@@ -55,12 +56,6 @@ def ranks(tmp_path_factory):
             for world, cases in ((2, CASES_2), (4, CASES_4))}
 
 
-def _result(ranks, world, rank, case):
-    got = ranks[world][rank]
-    assert not isinstance(got, str), got  # the rank's traceback
-    got = got[case.name]
-    assert not isinstance(got, str), got
-    return got
 
 
 CASES = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
@@ -69,7 +64,7 @@ CASES = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 @pytest.mark.parametrize("world,case", CASES, ids=lambda c: getattr(c, "name", c))
 def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case):
     for rank in range(world):
-        got = _result(ranks, world, rank, case)
+        got = rank_result(ranks, world, rank, case)
         # SGLang's launcher resolved the DSA backends to the plugin's call site (not trtllm), planned at the
         # gathered heads; q reached the call gathered in rank order.
         assert got["routes"][:2] == ("flashinfer_sparse_mla", "flashinfer_sparse_mla")
@@ -83,7 +78,7 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
 @pytest.mark.parametrize("world,case", CASES, ids=lambda c: getattr(c, "name", c))
 def test_each_rank_returns_its_share_and_lse_in_sglangs_base(ranks, world, case):
     for rank in range(world):
-        got = _result(ranks, world, rank, case)
+        got = rank_result(ranks, world, rank, case)
         acc = measure(torch.from_numpy(got["out"]), torch.from_numpy(got["part_out"]))
         assert not EXACT_CLASS_BOUND.violations(acc), (rank, acc)
         lse, want = torch.from_numpy(got["lse"]), torch.from_numpy(got["part_lse"])
@@ -98,5 +93,5 @@ def test_sglangs_dcp_writer_keeps_the_slots_the_localization_reads(ranks):
     # The bf16 caches come from SGLang's DCP writer; its placement (slot % world at slot // world) is the one the
     # fp8 cases slice by and the one SGLang's transform_index_page_table_dcp maps the call's slots to.
     bf16 = [c for c in CASES_2 if c.kv != "fp8_e4m3"]
-    assert all(_result(ranks, 2, r, c)["placed"] for r in range(2) for c in bf16)
-    assert all(_result(ranks, 4, r, c)["placed"] for r in range(4) for c in CASES_4)
+    assert all(rank_result(ranks, 2, r, c)["placed"] for r in range(2) for c in bf16)
+    assert all(rank_result(ranks, 4, r, c)["placed"] for r in range(4) for c in CASES_4)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_ranks import rank_result
 from model_configs import write_model
 from vllm_dcp import Case, _problem, expected, owned, run_ranks
 
@@ -62,12 +63,6 @@ def ranks(tmp_path_factory):
             for world, cases in ((2, CASES_2), (4, CASES_4))}
 
 
-def _result(ranks, world, rank, case):
-    got = ranks[world][rank]
-    assert not isinstance(got, str), got  # the rank's traceback
-    got = got[case.name]
-    assert not isinstance(got, str), got
-    return got
 
 
 @pytest.mark.parametrize("world,case", [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4], ids=lambda c: getattr(c, "name", c))
@@ -82,7 +77,7 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         pytest.skip(refused)
     rows, rows64, q, logical, sinks = _problem(case, world)
     for rank in range(world):
-        got = _result(ranks, world, rank, case)
+        got = rank_result(ranks, world, rank, case)
         mine = slice(rank * case.heads, (rank + 1) * case.heads)
         # The plan and the kernel see the DCP group's heads; the output keeps them until the merge.
         assert got["decision_heads"] == got["gathered_heads"] == case.heads * world
@@ -102,7 +97,7 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         assert not MERGED.violations(measure(got["merged"], whole[:, mine])), (rank, measure(got["merged"], whole[:, mine]))
         assert torch.isfinite(got["merged"]).all()
         assert got["merged"][1].abs().max() == 0  # the padded row: nothing to attend to (no sink: 0 too)
-    assert sum(_result(ranks, world, r, case)["owned_rows"] for r in range(world)) == sum(case.seq_lens)
+    assert sum(rank_result(ranks, world, r, case)["owned_rows"] for r in range(world)) == sum(case.seq_lens)
 
 
 def test_vllms_selector_keeps_the_plugins_backend_under_dcp(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ the environment, which SGLang's children inherit.
 The rooms: :mod:`.names` (the names they share: a leaf), :mod:`.hooks` (the hook mechanism), :mod:`.bound`
 (the launcher's plan as a scheduler binds it, for both binding rooms),
 :mod:`.install` (the bindings' tables together), :mod:`.flags`, :mod:`.translate` (SGLang's settings ->
-the plan's inputs; the plan handed to the schedulers), :mod:`.dsa`, :mod:`.dsv4`, and
+the plan's inputs; the plan handed to the schedulers), :mod:`.dsa`, :mod:`.dcp` (its decode context
+parallelism: a rank's share of a call, HY V4's lifted refusal), :mod:`.dsv4`, and
 :mod:`.internals` (every SGLang internal the adapter touches: what, why, what would let it go).
 """
 
