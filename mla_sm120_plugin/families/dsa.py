@@ -121,6 +121,10 @@ def _dcp_refusals(ctx: SelectionContext, engine: Engine) -> Iterator[Refusal]:
         yield Refusal(f"{given} with {feature} on: {words}", f"{feature} off under {given}, or {engine.dcp_flag} 1",
                       f"{fix}, or set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
     kpool, interleave = ctx.index_kpool, ctx.cp_kv_cache_interleave_size
+    if interleave != 1 and not engine.dcp_interleave_flag:
+        yield Refusal(f"--cp-kv-cache-interleave-size {interleave} under {engine.versioned}: it has no such setting "
+                      "(it shards the cache one token at a time)", f"an interleave of 1 under {engine.label}",
+                      "drop --cp-kv-cache-interleave-size")
     if kpool > 1 and engine.dcp_kpool_refused:
         yield Refusal(f"{given} for an indexer that pools {kpool} keys a pick: {engine.dcp_kpool_refused}",
                       f"{engine.dcp_flag} 1 for this model under {engine.versioned}",

@@ -182,3 +182,10 @@ def test_an_engine_feature_the_engine_lacks_is_refused(capsys):
     err = capsys.readouterr().err
     assert "given: --engine-feature pcp with --engine sglang" in err
     assert "SGLang's features: eagle_topk, hicache, hisparse, pd_disaggregation, skip_softmax" in err
+
+
+def test_sglang_has_no_interleave_setting(capsys):
+    assert cli.main([*SGLANG_GLM5, "--dcp-size", "4", "--cp-kv-cache-interleave-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp-kv-cache-interleave-size 4 under SGLang 0.5.23: it has no such setting" in err
+    assert "fix: drop --cp-kv-cache-interleave-size" in err
