@@ -192,13 +192,14 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
     mode = getattr(ForwardMode, case.mode)
     entry = dsa.around_forward_decode if case.mode == "DECODE" else dsa.around_forward_extend
     base_e = is_mla_dcp_lse_base_on_e("dsa")
+
+    def sglang_forward(*_args, **_kwargs):
+        return DeepseekSparseAttnBackend._forward_flashinfer_sparse_mla(
+            backend, q_all=q_all, kv_cache=cache, page_table_1=slots, seq_lens=None, sm_scale=scale,
+            skip_softmax_threshold_scale_factor=None)
+
     merged, partials = [], []
     for layer_id in (0, 1):  # two layers sharing one top-k tensor: the second reuses the localized table
-        def sglang_forward(*_args, **_kwargs):
-            return DeepseekSparseAttnBackend._forward_flashinfer_sparse_mla(
-                backend, q_all=q_all, kv_cache=cache, page_table_1=slots, seq_lens=None, sm_scale=scale,
-                skip_softmax_threshold_scale_factor=None)
-
         extra = {"attn_sink": sinks[mine].clone()} if sinks is not None else {}
         out, lse = entry(sglang_forward, backend, q_all, None, None, types.SimpleNamespace(layer_id=layer_id),
                          types.SimpleNamespace(forward_mode=mode), topk_indices=topk, **extra)

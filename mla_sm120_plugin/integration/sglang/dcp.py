@@ -23,7 +23,6 @@ kernels (SM100); with ``--mla-sm120`` the plugin's kernel for the phase serves i
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -110,25 +109,23 @@ def around_model_overrides(original_fn: Callable[..., dict], fn: Callable[..., d
                            *args: Any, **kwargs: Any) -> dict:
     """AROUND ``_invoke_provider``: HY V4 under ``--dcp-size`` > 1 gets SGLang's declarations, not its refusal."""
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    if (not enabled() or fn is not _resolve(FAMILY_OVERRIDES) or arch not in SINK_ARCHS
-            or int(getattr(_view(server_args), "dcp_size", 1) or 1) <= 1):
+    if not enabled() or fn is not _resolve(FAMILY_OVERRIDES) or arch not in SINK_ARCHS:
         return original_fn(fn, server_args, hf_config, *args, **kwargs)
-    # SGLang's DeepSeek-family provider reads --dcp-size only to refuse HY V4 and for its DSA DCP
-    # declarations: run it on a copy of the record at --dcp-size 1 (its stash copied, the record
-    # untouched), then add those declarations for the real size, refusals included.
-    clone = copy.copy(server_args)
-    clone._resolved_overrides = [(source, dict(fields))
-                                 for source, fields in getattr(server_args, "_resolved_overrides", None) or ()]
-    clone.dcp_size = 1
-    declared = dict(original_fn(fn, clone, hf_config, *args, **kwargs))
-    declared.update(_resolve(DCP_OVERRIDES)(_view(server_args)))
-    return declared
-
-
-def _view(server_args: Any) -> Any:
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
-    return resolving_view(server_args)
+    from .translate import record_copy
+
+    view = resolving_view(server_args)
+    if int(getattr(view, "dcp_size", 1) or 1) <= 1:
+        return original_fn(fn, server_args, hf_config, *args, **kwargs)
+    # SGLang's DeepSeek-family provider reads --dcp-size only to refuse HY V4 and for its DSA DCP
+    # declarations: run it on a copy of the record at --dcp-size 1 (the record untouched), then add
+    # those declarations for the real size, refusals included.
+    clone = record_copy(server_args)
+    clone.dcp_size = 1
+    declared = dict(original_fn(fn, clone, hf_config, *args, **kwargs))
+    declared.update(_resolve(DCP_OVERRIDES)(view))
+    return declared
 
 
 HOOKS: dict[str, Callable[..., Any]] = {PROVIDER: around_model_overrides}  # the launcher's, AROUND

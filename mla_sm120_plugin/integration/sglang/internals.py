@@ -72,7 +72,7 @@ INTERNALS: tuple[Internal, ...] = (
              "an SGLang DCP check that asks the DSA backend whether it applies sinks once", _R,
              ("sglang.srt.arg_groups.model_overrides.deepseek_v2._deepseek_family_overrides",
               "sglang.srt.arg_groups.model_overrides.deepseek_v2._dsa_dcp_overrides",
-              "dcp: ._resolved_overrides", "dcp: .architectures", "dcp: .dcp_size")),
+              "dcp: .architectures", "dcp: .dcp_size")),
     Internal("sglang.srt.layers.attention.dsa.dsa_dcp.localize_dcp_page_table",
              "calls it in each DCP call with the backend's DcpPageTableCache: the call's slots -> this rank's (owned "
              "first, -1 after) and their counts, reused across layers that share a top-k",

@@ -80,6 +80,16 @@ def _quiet(names: tuple[str, ...]):
             lg.disabled = was
 
 
+def record_copy(record: Any) -> Any:
+    """A copy of SGLang's record to run its own passes on, the user's left as it is: a shallow copy
+    (``ServerArgs.__reduce__``: fields plus bookkeeping) sharing the memoized ModelConfig, with a
+    declaration stash of its own (SGLang's handlers only append to it)."""
+    clone = copy.copy(record)
+    clone._resolved_overrides = [(source, dict(fields))
+                                 for source, fields in getattr(record, "_resolved_overrides", None) or ()]
+    return clone
+
+
 def _speculative_decode_bound(view: Any) -> tuple[int, int] | None:
     """(max running requests, draft tokens a request) as SGLang's speculative pass will resolve them.
 
@@ -103,11 +113,7 @@ def _speculative_decode_bound(view: Any) -> tuple[int, int] | None:
             return None
         record = record_of(view)
         overlay = dict(object.__getattribute__(view, "_overlay")) if isinstance(view, ResolvedView) else {}
-        # A shallow copy (ServerArgs.__reduce__: fields plus bookkeeping) that shares the memoized
-        # ModelConfig, with a stash of its own: SGLang's handlers only append declarations to it.
-        clone = copy.copy(record)
-        clone._resolved_overrides = [(source, dict(fields))
-                                     for source, fields in getattr(record, "_resolved_overrides", None) or ()]
+        clone = record_copy(record)
         if overlay:
             clone._resolved_overrides.append(("mla_sm120_plugin.view", overlay))
         env = dict(os.environ)
