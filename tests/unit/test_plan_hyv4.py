@@ -1,7 +1,8 @@
 """HY V4 (Hy4-preview): DSA with a learned sink logit per head, planned for both engines (issue 34).
 
-A config.json as Tencent's release writes it (HYV4ForCausalLM, model_type hy_v4: 32 heads, the
-512 + 64 latent, index top-k 2048, learnable_sink, gated_mla, one MTP layer) is planned by
+A config.json with the geometry of Tencent's release (HYV4ForCausalLM, model_type hy_v4: 64 heads, the
+512 + 64 latent, index top-k 2048, learnable_sink, gated_mla, one MTP layer; the values
+tests/fixtures/public_model_configs.json records, not HYV4Config's placeholder defaults) is planned by
 ``mla-sm120 check`` on SM120 / SM121 at TP 1-8 in vLLM and SGLang; SM90 is refused naming the
 engine's own sink path. The sinks travel as a fact (config -> facts -> context -> decision note ->
 self-check case) and a kernel that cannot apply them is no candidate.
@@ -26,11 +27,11 @@ from mla_sm120_plugin.modelinfo import facts_from_hf_config
 from mla_sm120_plugin.selection import envelope_reasons
 
 HY4_PREVIEW = {
-    "architectures": ["HYV4ForCausalLM"], "model_type": "hy_v4", "num_attention_heads": 32,
-    "num_key_value_heads": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
-    "v_head_dim": 256, "q_lora_rank": 1536, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16,
+    "architectures": ["HYV4ForCausalLM"], "model_type": "hy_v4", "num_attention_heads": 64,
+    "num_key_value_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
+    "v_head_dim": 256, "q_lora_rank": 2048, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
     "learnable_sink": True, "gated_mla": True, "gating_type": "elementwise", "num_nextn_predict_layers": 1,
-    "num_hidden_layers": 34, "hidden_size": 2816, "max_position_embeddings": 262144,
+    "num_hidden_layers": 78, "hidden_size": 6144, "max_position_embeddings": 1048576,
 }
 
 
@@ -58,7 +59,7 @@ def test_check_plans_sm12x_at_every_tp_and_says_the_sink_is_applied(model_dir, c
             sink_note = [n for n in report["notes"] if n.startswith("sinks: ")]
             assert len(sink_note) == 1
             assert f"applied by {kernels['decode']} (decode) and {kernels['prefill']} (prefill)" in sink_note[0]
-            assert report["heads_per_rank"] == 32 // int(tp)
+            assert report["heads_per_rank"] == HY4_PREVIEW["num_attention_heads"] // int(tp)
             # SGLang forces a bfloat16 cache for learnable sinks; vLLM's CUSTOM backend takes fp8_ds_mla
             assert report["kv_cache_dtype"] == ("bf16" if engine == "sglang" else "fp8_ds_mla")
 

@@ -74,6 +74,17 @@ def test_the_new_models_plan_on_sm12x_under_vllm_034(tmp_path, capsys, name):
                     assert report["index_topk"] == topk
 
 
+def test_kimi_k31_by_name_plans_twelve_heads_a_gpu_at_tp8(capsys):
+    """Kimi K3 / K3.1 has 96 query heads (profiles.py SOURCES: the public Kimi-K3 config, vLLM 0.34's K3.1
+    code), so vLLM builds 12 a GPU at TP 8; the plan's kernels are chosen for 12 (FlashInfer has no 12-head
+    prefill kernel)."""
+    rc, report = _check(capsys, "--model", "kimi-k3.1", "--sm", "12.0", "--tp", "8", "--engine-version", "0.34.0")
+    assert rc == 0, report
+    decision = decision_of(report)
+    assert (decision["heads_per_rank"], decision["index_topk"], decision["kv_cache_dtype"]) == (12, 2048, "fp8_ds_mla")
+    assert "flashinfer_sparse_mla" not in decision["kernels"].values()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_vllm_033_and_sglang_refuse_them_naming_vllm_034(tmp_path, capsys, name):
     model_dir = _write(tmp_path, MODELS[name])
