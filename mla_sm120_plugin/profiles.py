@@ -207,7 +207,7 @@ GEOMETRY = ("num_heads", "qk_rope_head_dim", "kv_lora_rank", "index_topk", "inde
 CONFIG_GEOMETRY = ("num_attention_heads", "qk_rope_head_dim", "kv_lora_rank", "head_dim", "index_topk",
                    "index_kpool", "num_hidden_layers")
 
-_TF = "transformers 5.20.2 (vLLM 0.33 / 0.34 read the config.json with it)"
+_TF = "transformers 5.20.2 / 5.22.2 (with vLLM 0.33 / 0.34; vLLM reads the config.json with it)"
 _V4_MONO = "vLLM 0.33.0 / 0.34.0 vllm/models/deepseek_v4/amd/mono/dims.py"
 _V41_MONO = "vLLM 0.33.0 / 0.34.0 vllm/models/deepseek_v41/amd/mono/attention/plan.py"
 _KIMI_MLA = "vLLM 0.33.0 / 0.34.0 vllm/models/kimi_k3/nvidia/specialized_decode/cutedsl/mla/"
