@@ -18,9 +18,11 @@ What the native kernel covers (read from ``flashinfer-python`` 0.7.2.post1):
   own table where asked).
 - Numerics: Q and the softmax probabilities P are quantised to fp8 (e4m3) inside the kernel, with
   fp32 accumulation; upstream tests compare against a reference at ``atol = rtol = 5e-3``. The
-  native LSE is base 2 (``lse_scale`` rescales it); this binding returns base e unless asked.
-- Sinks are native (``attn_sink``). FlashInfer folds the sink into the LSE it reports; this
-  binding returns the sink-free LSE of the plugin contract (``out *= 1 / (1 + exp(sink - lse))``).
+  native LSE is base 2; ``lse_scale`` gives the base the caller asks for inside the kernel.
+- Sinks are native (``attn_sink``; -inf counts nothing, on every path). FlashInfer folds the sink into
+  the LSE it reports (a head with nothing valid reports the sink); where the caller asks for that form
+  (``lse_with_sink``, a decode-context-parallel rank) it is returned as it is, otherwise
+  :func:`sink_free_lse` takes the sink back out, totally (never NaN).
 
 Everything heavy (torch, flashinfer) is imported inside functions: the selection code imports this
 module for :func:`envelope_reasons` and :func:`probe` and must stay cheap. The packaged envelope
@@ -573,24 +575,43 @@ def pad_to_tiles(indices: torch.Tensor, tile: int) -> torch.Tensor:
     return indices if not short else torch.nn.functional.pad(indices, (0, short), value=-1)
 
 
+# Below this fraction of max(1, |sink|) (in nats), a reported LSE is the sink's within FlashInfer's own
+# rounding of it: an empty row reports fl(fl(sink * log2 e) * lse_scale), a few ulp from the sink, and a
+# row whose keys carry <= 2^-24 of the sink's mass reports the same bits (its fp32 sum rounds to the
+# sink's term). 2^-20 is four times that ulp-scale noise, and under the 1e-5 nats the sink-free LSE must
+# fold back to for |sink| <= 8 (7.6e-6 there).
+SINK_NOISE = 2.0**-20
+
+
 def sink_free_lse(native_lse: torch.Tensor, sink: torch.Tensor | None, lse_base: str) -> torch.Tensor:
-    """The plugin's LSE from the one FlashInfer returns (natural log when a sink is given).
+    """The sink-free LSE of the plugin contract from the one FlashInfer reports with the sink folded
+    in, ``r = log(exp(lse) + exp(sink))``, in the same base: ``lse = r + log(1 - exp(sink - r))``.
+    Total: a -inf sink leaves ``r`` as it is; an empty row (``r`` the sink), a row the sink dominates
+    beyond FlashInfer's fp32 rounding (``r - sink`` at most :data:`SINK_NOISE` x max(1, |sink|) nats)
+    and ``r = -inf`` give -inf; never NaN.
 
-    FlashInfer folds a sink into the LSE it reports: ``lse' = log(exp(lse) + exp(sink))``; the
-    contract's LSE excludes it: ``lse = lse' + log(1 - exp(sink - lse'))``. A row with no valid
-    slot reports ``lse' = sink`` and gets ``-inf``.
+    Accuracy against float64: the sink-free mass ``exp(lse)`` is exact to ``|d| + tau`` of the reported
+    total ``exp(r)``, where ``d`` is the error of ``r`` itself (FlashInfer's fp32 arithmetic, a few ulp
+    of ``r``) and ``tau = SINK_NOISE x max(1, |sink|)``; so ``lse`` is within ``(|d| + tau) / m`` nats of
+    float64 for a row whose mass is a fraction ``m`` of the total (rows the sink dominates lose digits,
+    as they must: ``r`` no longer holds them), and folding the sink back in gives ``r`` within ``tau``.
 
-    native_lse: [T, H] float32, natural log where ``sink`` is given, else already in ``lse_base``
-    sink: [H] float32 or None
+    native_lse: [T, H] float32, FlashInfer's LSE with the sink in it, in ``lse_base``
+    sink: [H] float32 (natural log; -inf: none for that head), or None (then ``native_lse`` is returned)
     returns: [T, H] float32 in ``lse_base``
     """
     import torch
 
     if sink is None:
         return native_lse
-    correction = torch.log(-torch.expm1(sink[None, :] - native_lse))
-    lse = torch.where(torch.isneginf(native_lse), native_lse, native_lse + correction)
-    return lse * _LOG2E if lse_base == "2" else lse
+    per_nat = 1.0 if lse_base == "e" else _LOG2E  # the LSE's units a nat
+    sink_b = sink.to(native_lse.dtype)[None, :] * per_nat  # [1, H], the LSE's base
+    gap = (native_lse - sink_b) / per_nat  # [T, H] nats by which r exceeds the sink (NaN for -inf - -inf)
+    noise = SINK_NOISE * torch.clamp(sink_b.abs() / per_nat, min=1.0)  # [1, H]
+    # log(1 - e^-gap) where the row's own mass stands above the noise; -inf where it does not
+    kept = torch.log(-torch.expm1(-torch.clamp(gap, min=SINK_NOISE))) * per_nat
+    lse = torch.where(gap > noise, native_lse + kept, torch.full_like(native_lse, float("-inf")))
+    return torch.where(torch.isneginf(sink_b), native_lse, lse)
 
 
 def _get_wrapper(device: torch.device, kv_scale_format: str):
@@ -624,8 +645,9 @@ class NativeCall:
     :param kwargs: the ``run`` keyword arguments; None when there is nothing to launch (no tokens).
     :param kv_scale_format: FlashInfer's name of the cache's scale format (selects the wrapper).
     :param out: [T, H, 512] bfloat16, what ``run`` writes.
-    :param native_lse: [T, H] float32 that ``run`` writes (natural log when a sink is given), or None.
+    :param native_lse: [T, H] float32 that ``run`` writes in the asked base (the sink folded in), or None.
     :param sink: [H] float32 or None. :param lse_base: what the caller asked for.
+    :param lse_with_sink: the caller asked for the LSE with the sink folded in (FlashInfer's own form).
     """
 
     kwargs: dict[str, Any] | None
@@ -634,11 +656,14 @@ class NativeCall:
     native_lse: torch.Tensor | None
     sink: torch.Tensor | None
     lse_base: str
+    lse_with_sink: bool = False
 
     def result(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """What :func:`flashinfer_sparse_mla` returns once ``run`` has written ``out``."""
         if self.native_lse is None:
             return self.out
+        if self.lse_with_sink:
+            return self.out, self.native_lse
         return self.out, sink_free_lse(self.native_lse, self.sink, self.lse_base)
 
 
@@ -656,6 +681,7 @@ def prepare_call(
     sink: torch.Tensor | None = None,
     scale_format: str,
     require_cuda: bool = True,
+    lse_with_sink: bool = False,
 ) -> NativeCall:
     """Check a call and build the native arguments, without a GPU: input checks, FlashInfer's live
     envelope, the page-gap rule of its prefill path, out-of-range ids masked, dense lengths, the LSE
@@ -704,13 +730,10 @@ def prepare_call(
     if sink is not None:
         sink = sink.to(torch.float32).contiguous()
     if num_tokens == 0:
-        return NativeCall(None, fmt.kv_scale_format, out, out_lse, None, lse_base)
+        return NativeCall(None, fmt.kv_scale_format, out, out_lse, None, lse_base, lse_with_sink)
     if topk_length is not None:
         # Native code indexes it densely: a strided or expanded view is copied (T ints).
         topk_length = topk_length.to(torch.int32).contiguous()
-    # Native LSE is base 2; lse_scale rescales it in the kernel. The sink correction works in
-    # natural units, so a sink with a base-2 request goes through e and is converted afterwards.
-    native_base2 = return_lse and lse_base == "2" and sink is None
     indices = mask_out_of_range(indices, num_slots)
     if num_tokens > limit:
         indices = pad_to_tiles(indices, flashinfer_table.table().prefill_topk_tile)
@@ -723,9 +746,9 @@ def prepare_call(
         topk_length=topk_length,
         sink=sink,
         out_lse=out_lse,
-        lse_scale=1.0 if native_base2 else _LN2,
+        lse_scale=1.0 if lse_base == "2" else _LN2,  # native base 2: the asked base, inside the kernel
     )
-    return NativeCall(kwargs, fmt.kv_scale_format, out, out_lse, sink, lse_base)
+    return NativeCall(kwargs, fmt.kv_scale_format, out, out_lse, sink, lse_base, lse_with_sink)
 
 
 def flashinfer_sparse_mla(
@@ -741,6 +764,7 @@ def flashinfer_sparse_mla(
     lse_base: str = "e",
     sink: torch.Tensor | None = None,
     scale_format: str,
+    lse_with_sink: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA through FlashInfer's SM120/SM121 kernels (``SparseMLASm120Wrapper.run``).
 
@@ -759,8 +783,10 @@ def flashinfer_sparse_mla(
         ``"fp8_ds_mla_nope"`` / ``"fp8_nope"`` (family glm53_nope, which reads any fp32 scales)
     topk_length: [T], int32, optional; positions >= topk_length[t] are skipped (native argument)
     out: [T, H, 512], bfloat16, contiguous, optional; written in place
-    return_lse: also return lse [T, H] float32 (sink-free, base ``lse_base``: ``"e"`` or ``"2"``)
-    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse)) (native argument)
+    return_lse: also return lse [T, H] float32 in base ``lse_base`` (``"e"`` or ``"2"``, FlashInfer's
+        ``lse_scale``): sink-free (:func:`sink_free_lse`), or with ``lse_with_sink`` FlashInfer's own
+        form, the sink folded in
+    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse)) (native argument; -inf: none)
     scale_format: ``"pow2"`` (DeepSeek-V3.2) or ``"arbitrary"`` (GLM): how the cache's scales were written
     returns: out [T, H, 512] bfloat16, and lse when ``return_lse``
 
@@ -774,7 +800,8 @@ def flashinfer_sparse_mla(
     import torch
 
     call = prepare_call(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
-                        out=out, return_lse=return_lse, lse_base=lse_base, sink=sink, scale_format=scale_format)
+                        out=out, return_lse=return_lse, lse_base=lse_base, sink=sink, scale_format=scale_format,
+                        lse_with_sink=lse_with_sink)
     if call.kwargs is None:  # no tokens: nothing to launch
         return call.result()
     num_tokens, num_heads, _ = q.shape

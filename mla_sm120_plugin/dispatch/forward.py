@@ -97,7 +97,7 @@ _MAX_SM_SCALE = 3.4028234663852886e38 / math.log2(math.e)
 
 
 def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_size, out,
-              return_lse, lse_base, sink, scale_format) -> float:
+              return_lse, lse_base, lse_with_sink, sink, scale_format) -> float:
     """Check every argument against the contract; returns sm_scale as a float."""
     lay = layout.LAYOUTS.get(kv_layout) if isinstance(kv_layout, str) else None
     if lay is None:
@@ -164,8 +164,9 @@ def _validate(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, page_si
     if lse_base not in LSE_BASES:
         raise _fail("lse_base", repr(lse_base), f"one of {LSE_BASES}",
                     "pass 'e' for natural-log LSE (FlashMLA) or '2' for base-2 LSE (FlashInfer)")
-    if not isinstance(return_lse, bool):
-        raise _fail("return_lse", _describe(return_lse), "a bool", "pass True or False")
+    for name, flag in (("return_lse", return_lse), ("lse_with_sink", lse_with_sink)):
+        if not isinstance(flag, bool):
+            raise _fail(name, _describe(flag), "a bool", "pass True or False")
 
     if out is not None:
         _check_optional("out", out, q, q.dtype, (num_tokens, num_heads, lay.latent),
@@ -201,6 +202,7 @@ def sparse_mla_forward(
     lse_base: str = "e",
     sink: torch.Tensor | None = None,
     scale_format: str | None = None,
+    lse_with_sink: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA (DeepSeek Sparse Attention) over a paged KV cache, validated then dispatched.
 
@@ -232,11 +234,16 @@ def sparse_mla_forward(
         page-strided views are accepted (fp8 layouts: byte offset and strides multiples of 4)
     indices: [T, topk], int32, global slot ids ``page * page_size + row``, -1 padded, topk >= 1
     topk_length: [T], int32, optional: only the first topk_length[t] candidates are used
-    sink: [H], float32, optional attention sink: out *= 1 / (1 + exp(sink - lse_natural))
+    sink: [H], float32, optional attention sink: out *= 1 / (1 + exp(sink - lse_natural)); a head's
+        sink of -inf counts nothing (how a decode-context-parallel rank leaves another rank's heads'
+        sinks out); finite or -inf (its values are not inspected: that would sync with the GPU)
     out: [T, H, 512], q's dtype, optional output buffer, written in place
     returns: out [T, H, 512] in q's dtype; with ``return_lse=True`` also lse [T, H], float32,
         ``logsumexp(s)`` in natural log (``lse_base="e"``, FlashMLA's convention, the default) or
-        base 2 (``lse_base="2"``, FlashInfer's convention); the sink does not change lse
+        base 2 (``lse_base="2"``, FlashInfer's convention). The sink leaves it out unless
+        ``lse_with_sink=True``: then it is one more term, ``log(exp(lse) + exp(sink))`` (a token with
+        no valid slot reports the sink itself), the LSE a merge of partial softmaxes weighs by.
+        Every kernel asked for a base or form returns it so (no conversion after the call).
 
     sm_scale: the layer's softmax scale as a Python float (never a tensor), as the engine passes it:
         never recomputed from D (GLM-5.3-Flash: 256 ** -0.5 with D = 512)
@@ -254,7 +261,7 @@ def sparse_mla_forward(
     """
     scale = _validate(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                       topk_length=topk_length, page_size=page_size, out=out, return_lse=return_lse,
-                      lse_base=lse_base, sink=sink, scale_format=scale_format)
+                      lse_base=lse_base, lse_with_sink=lse_with_sink, sink=sink, scale_format=scale_format)
     if kernel == "auto":
         from mla_sm120_plugin.selection import choose_kernel_for_shape
 
@@ -271,6 +278,8 @@ def sparse_mla_forward(
     bound = bind(kernel)
     kwargs = dict(sm_scale=scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink, out=out,
                   return_lse=return_lse, lse_base=lse_base)
+    if lse_with_sink:  # only asked of a kernel where it changes the answer
+        kwargs["lse_with_sink"] = True
     # Only kernels that hand the format to native code take it (FlashInfer); the others read each
     # tile's stored scale as a value.
     if scale_format is None and bound.needs_scale_format:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,32 +65,83 @@ def test_lengths_are_dense_int32_and_the_lse_base_is_asked_natively():
     assert call.kwargs["topk_length"].is_contiguous() and call.kwargs["topk_length"].tolist() == [5, 9, 128]
     assert call.kwargs["lse_scale"] == 1.0  # FlashInfer's own base 2
     assert _prepare(q, kv, indices, return_lse=True).kwargs["lse_scale"] == pytest.approx(math.log(2))
-    # With a sink the binding asks for natural log and converts after taking the sink out.
-    sunk = _prepare(q, kv, indices, return_lse=True, lse_base="2", sink=torch.zeros(16))
-    assert sunk.kwargs["lse_scale"] == pytest.approx(math.log(2))
+    # With a sink too: the asked base comes out of the kernel (the sink is taken out in that base).
+    for base, scale in (("2", 1.0), ("e", math.log(2))):
+        for folded in (False, True):
+            sunk = _prepare(q, kv, indices, return_lse=True, lse_base=base, sink=torch.zeros(16), lse_with_sink=folded)
+            assert sunk.kwargs["lse_scale"] == pytest.approx(scale) and sunk.kwargs["attn_sink"] is not None
 
 
 @pytest.mark.parametrize("lse_base", ["e", "2"])
 def test_the_sink_is_taken_back_out_of_flashinfers_lse(lse_base):
-    """FlashInfer reports lse' = log(exp(lse) + exp(sink)); the contract's lse excludes the sink."""
+    """FlashInfer reports lse' = log(exp(lse) + exp(sink)) in the asked base; the contract's sink-free lse takes
+    the sink back out, and a caller asking for the sink in (lse_with_sink) gets FlashInfer's own value."""
     gen = torch.Generator().manual_seed(1)
     lse = torch.randn(5, 4, generator=gen, dtype=torch.float64) * 3
     lse[2] = -math.inf  # a row with no valid slot
     sink = torch.tensor([-2.0, 0.0, 1.5, 6.0], dtype=torch.float64)
-    folded = torch.logaddexp(lse, sink[None, :])  # what FlashInfer writes (natural log asked)
+    per_nat = 1.0 if lse_base == "e" else 1 / math.log(2)
+    folded = torch.logaddexp(lse, sink[None, :]) * per_nat  # what FlashInfer writes in the asked base
     q, kv, indices = _tensors(tokens=5, heads=4)
     call = _prepare(q, kv, indices, return_lse=True, lse_base=lse_base, sink=sink.float())
     call.native_lse.copy_(folded)  # as wrapper.run would leave it
     _, got = call.result()
-    want = lse if lse_base == "e" else lse / math.log(2)
+    want = lse * per_nat
     finite = torch.isfinite(want)
     assert torch.equal(torch.isneginf(got), ~finite)
     # lse = lse' + log(1 - exp(sink - lse')) amplifies lse'`s fp32 rounding by d lse / d lse' =
     # 1 + exp(sink - lse): a sink far above the scores costs digits (0.3 % here at sink - lse = 10).
     amplification = 1 + torch.exp(sink[None, :] - lse)
-    bound = 4 * 2.0**-24 * (folded.abs() + 1) * amplification / (1 if lse_base == "e" else math.log(2))
+    bound = (4 * 2.0**-24 * (folded.abs() + 1) + fi.SINK_NOISE * sink.abs().clamp(min=1)[None, :]) * amplification
     err = (got.double() - want).abs()
     assert torch.all(err[finite] <= bound[finite] + 1e-6), (err[finite].max(), bound[finite].min())
+    asked_in = _prepare(q, kv, indices, return_lse=True, lse_base=lse_base, sink=sink.float(), lse_with_sink=True)
+    asked_in.native_lse.copy_(folded)
+    assert torch.equal(asked_in.result()[1], asked_in.native_lse)
+
+
+def _flashinfer_lse(sink2: np.ndarray, row_gap_nats: float, lse_scale: np.float32) -> np.ndarray:
+    """FlashInfer 0.7.2-0.7.4's final LSE for heads whose keys carry e^-gap of the sink's mass (gap = inf: an
+    empty row), in its own fp32 order (mla/_sparse_mla_sm120 decode merge): the sink's base-2 logit
+    ``sink * log2(e)`` in fp32 joins the splits' max, ``total = exp2(lse2 - max) + exp2(sink2 - max)``,
+    ``lse2 = log2(total) + max``, then times ``lse_scale``; an empty row's is ``sink2 * lse_scale``."""
+    if math.isinf(row_gap_nats):
+        return (sink2 * lse_scale).astype(np.float32)
+    row2 = (sink2 - np.float32(row_gap_nats * math.log2(math.e))).astype(np.float32)
+    top = np.maximum(row2, sink2)
+    total = (np.exp2(row2 - top) + np.exp2(sink2 - top)).astype(np.float32)
+    return ((np.log2(total) + top).astype(np.float32) * lse_scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("lse_base", ["e", "2"])
+@pytest.mark.parametrize("gap", [math.inf, 40.0, 20.0, 12.0, 8.0, 2.0, 0.0, -3.0])
+def test_flashinfers_documented_lse_never_gives_nan_and_folds_back(lse_base, gap):
+    """issue 50: FlashInfer's own arithmetic (fp32, its documented order) for sinks over [-8, 8] and rows that
+    are empty or carry e^-40 .. e^3 of the sink's mass: the sink-free LSE is never NaN, is -inf for an empty
+    row, folds back to the reported value within 1e-5 nats, and where the row's own mass stands above the
+    noise it is float64's within the stated bound."""
+    sinks = np.linspace(-8.0, 8.0, 20_001, dtype=np.float32)
+    sink2 = (sinks * np.float32(math.log2(math.e))).astype(np.float32)  # in FlashInfer, in fp32
+    scale = np.float32(1.0 if lse_base == "2" else math.log(2))
+    reported = torch.from_numpy(_flashinfer_lse(sink2, gap, scale))[None, :]  # [1, H]
+    sink = torch.from_numpy(sinks)
+    got = fi.sink_free_lse(reported, sink, lse_base)
+    assert not torch.isnan(got).any()
+    per_nat = 1.0 if lse_base == "e" else 1 / math.log(2)
+    nats = got.double() / per_nat
+    if math.isinf(gap):
+        assert torch.isneginf(got).all()
+    folded_back = torch.logaddexp(nats, sink.double()[None, :])
+    assert (folded_back - reported.double() / per_nat).abs().max() <= 1e-5
+    truth = sink.double() - gap  # the row's own sink-free LSE, float64
+    mass = 1 / (1 + math.exp(gap))  # the row's share of the reported total
+    noise = fi.SINK_NOISE * sink.double().abs().clamp(min=1)
+    # the reported value's own error: FlashInfer's fp32 ops and the caller's fp32 conversions, a few ulp
+    ulp = 8 * 2.0**-24 * (reported.double().abs() / per_nat + 1)
+    kept = torch.isfinite(nats)
+    assert torch.all((nats - truth).abs()[kept] <= ((ulp + noise) / mass)[kept] + 1e-6)
+    if mass > 4 * float(noise.max() + ulp.max()):  # above the noise: every row keeps its own LSE
+        assert kept.all()
 
 
 def test_without_a_sink_the_lse_is_flashinfers():

@@ -79,6 +79,7 @@ def torch_sparse_mla(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     lse_base: str = "e",
+    lse_with_sink: bool = False,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged KV cache, in torch, a chunk of query tokens at a time.
@@ -96,10 +97,11 @@ def torch_sparse_mla(
         else); [num_slots, width] flat and page-strided views work too
     indices: [T, topk], int32, global slots (page * page_size + row), -1 padded
     topk_length: [T], int32, optional; positions >= topk_length[t] are invalid
-    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse))
+    sink: [H], float32, optional; out *= 1 / (1 + exp(sink - lse)); a -inf sink counts nothing
     out: [T, H, 512], q's dtype, optional; written in place and returned
-    returns: out [T, H, 512] in q's dtype, and lse [T, H] float32 when ``return_lse`` (natural
-        log when ``lse_base == "e"``, base 2 when ``"2"``)
+    returns: out [T, H, 512] in q's dtype, and lse [T, H] when ``return_lse``: float32 (float64 for
+        a float64 q), natural log when ``lse_base == "e"``, base 2 when ``"2"``; with
+        ``lse_with_sink`` the sink is one more term of it, ``log(exp(lse) + exp(sink))``
     """
     lay = layout.get(kv_layout)
     # float64 q: the whole computation in float64 (the truth the accuracy metrics compare against);
@@ -111,7 +113,7 @@ def torch_sparse_mla(
     num_slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
     if out is None:
         out = torch.empty(num_tokens, num_heads, lay.latent, dtype=q.dtype, device=q.device)
-    lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    lse_out = torch.empty(num_tokens, num_heads, dtype=torch.promote_types(compute, torch.float32), device=q.device)
     positions = torch.arange(topk, device=indices.device)  # [K]
     chunk = tokens_per_chunk(num_heads, topk, kv_layout, max_chunk_bytes)
 
@@ -142,8 +144,13 @@ def torch_sparse_mla(
         result = torch.bmm(probs, keys[:, :, : lay.latent])  # [c, H, 512] fp32
         del probs, keys
         if sink is not None:
-            # lse = -inf gives exp(inf) = inf and a factor of 0: the row is already 0.
-            result.mul_(torch.reciprocal(1.0 + torch.exp(sink.float()[None, :] - lse))[:, :, None])
+            sinks = sink.to(compute)[None, :]  # [1, H]
+            # sigmoid(lse - sink) = 1 / (1 + exp(sink - lse)); a row with nothing valid is 0 already
+            # (its factor is set to 0: for a -inf sink, -inf - -inf would be NaN).
+            factor = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.sigmoid(lse - sinks))  # [c, H]
+            result.mul_(factor[:, :, None])
+            if lse_with_sink:
+                lse = torch.logaddexp(lse, sinks)  # -inf with -inf stays -inf
         out[t0:t1] = result
         lse_out[t0:t1] = lse
 

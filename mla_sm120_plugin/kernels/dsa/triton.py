@@ -239,6 +239,7 @@ def triton_sparse_mla(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     lse_base: str = "e",
+    lse_with_sink: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged KV cache with Triton (same contract as ``torch_sparse_mla``).
 
@@ -257,14 +258,14 @@ def triton_sparse_mla(
     sink: [H], float32, any stride, optional; out *= 1 / (1 + exp(sink - lse))
     out: [T, H, 512], q's dtype, any non-overlapping strides, optional; written and returned
     returns: out [T, H, 512] in q's dtype, and lse [T, H] float32 when ``return_lse`` (natural
-        log when ``lse_base == "e"``, base 2 when ``"2"``)
+        log when ``lse_base == "e"``, base 2 when ``"2"``; the sink folded in when ``lse_with_sink``)
     """
     return _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
-                sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None)
+                sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None, lse_with_sink=lse_with_sink)
 
 
 def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, lse, lse_base,
-                cfg: LaunchConfig, interpret: bool) -> list:
+                cfg: LaunchConfig, interpret: bool, lse_with_sink: bool = False) -> list:
     """The launches that compute ``out`` (and ``lse`` when given) for already-checked inputs
     (:class:`~mla_sm120_plugin.kernels.shared.triton.Launch` objects, :func:`.triton_parts.launches`).
 
@@ -274,12 +275,12 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
     """
     return launches(_sparse_mla_kernel, "sparse_mla", layout_constexprs(kv_layout), q, kv_cache, indices,
                     sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink, out=out, lse=lse,
-                    lse_base=lse_base, cfg=cfg, interpret=interpret)
+                    lse_base=lse_base, cfg=cfg, interpret=interpret, lse_with_sink=lse_with_sink)
 
 
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
-         config: LaunchConfig | None):
+         config: LaunchConfig | None, lse_with_sink: bool = False):
     """:func:`triton_sparse_mla` with an optional forced :class:`LaunchConfig` (tests use it)."""
     return run_plan(launch_plan, plan.EXACT, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                     topk_length=topk_length, sink=sink, out=out, return_lse=return_lse, lse_base=lse_base,
-                    config=config)
+                    config=config, lse_with_sink=lse_with_sink)

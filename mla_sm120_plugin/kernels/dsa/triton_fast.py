@@ -273,6 +273,7 @@ def triton_sparse_mla_fast(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     lse_base: str = "e",
+    lse_with_sink: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with fp8 MMAs on an fp8 cache's bytes (module docstring: numerics and layouts).
 
@@ -281,11 +282,11 @@ def triton_sparse_mla_fast(
     Within :data:`ACCURACY` of float64 attention over the dequantized rows (exact class).
     """
     return _run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
-                sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None)
+                sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=None, lse_with_sink=lse_with_sink)
 
 
 def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, lse, lse_base,
-                cfg: plan.LaunchConfig, interpret: bool) -> list:
+                cfg: plan.LaunchConfig, interpret: bool, lse_with_sink: bool = False) -> list:
     """The launches that compute ``out`` (and ``lse`` when given) over an fp8 cache
     (:func:`.triton_parts.launches`: one launch when ``cfg.num_splits == 1``; otherwise the split
     kernel into fresh ``cfg.partial_dtype`` partials, then the shared combine into ``out``).
@@ -298,11 +299,11 @@ def launch_plan(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
                          "exact kernel (triton_sparse_mla_fast hands it over)")
     return launches(_fast_kernel, "sparse_mla_fast", dict(ROPE=constexprs["ROPE"], ROPE_OFF=constexprs["ROPE_OFF"]),
                     q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length, sink=sink,
-                    out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret)
+                    out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret, lse_with_sink=lse_with_sink)
 
 
 def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, return_lse, lse_base,
-         config: plan.LaunchConfig | None):
+         config: plan.LaunchConfig | None, lse_with_sink: bool = False):
     """:func:`triton_sparse_mla_fast` with an optional forced :class:`~.plan.LaunchConfig`;
     a bf16 cache (``bf16``, ``bf16_nope``) goes to the exact kernel."""
     if not layout.get(kv_layout).fp8:
@@ -310,7 +311,8 @@ def _run(q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink, out, r
         from mla_sm120_plugin.kernels.dsa import triton as exact
 
         return exact._run(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
-                          sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=config)
+                          sink=sink, out=out, return_lse=return_lse, lse_base=lse_base, config=config,
+                          lse_with_sink=lse_with_sink)
     return run_plan(launch_plan, plan.FAST, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                     topk_length=topk_length, sink=sink, out=out, return_lse=return_lse, lse_base=lse_base,
-                    config=config)
+                    config=config, lse_with_sink=lse_with_sink)

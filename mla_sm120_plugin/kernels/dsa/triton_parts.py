@@ -20,7 +20,7 @@ import triton.language as tl
 from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import plan
-from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, cdiv, interpreting
+from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, LSE_PLAIN, cdiv, interpreting, lse_mode
 from mla_sm120_plugin.kernels.shared.combine import DTYPE_NAMES, combine_launch, finalize
 from mla_sm120_plugin.kernels.shared.triton import Launch
 
@@ -179,13 +179,14 @@ def epilogue(
 
 
 def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_scale, kv_layout, topk_length, sink,
-             out, lse, lse_base, cfg: plan.LaunchConfig, interpret: bool) -> list[Launch]:
+             out, lse, lse_base, cfg: plan.LaunchConfig, interpret: bool, lse_with_sink: bool = False) -> list[Launch]:
     """The launches of one call of a DSA kernel (``kernel``, reported as ``name``; ``constexprs``:
     its layout constexprs) for already-checked inputs.
 
     One launch when ``cfg.num_splits == 1``; otherwise the split kernel into fresh
     ``cfg.partial_dtype`` partials ([T, S, H, 512], and their base-2 LSE [T, S, H]), then the
-    combine kernel into ``out``.
+    combine kernel into ``out``. ``lse`` (when given) is written in ``lse_base``, with the sink folded
+    in when ``lse_with_sink``.
     """
     num_tokens, num_heads, _ = q.shape
     if not interpret and q.dtype != torch.bfloat16:
@@ -216,7 +217,8 @@ def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_sc
             topk_length if has_len else indices, topk_length.stride(0) if has_len else 0, int(has_len),
             sink if has_sink else dest, sink.stride(0) if has_sink else 0, int(final and has_sink),
             dest, *dest_strides,
-            dest_lse, *dest_lse_strides, int(not final or lse is not None), lse_scale if final else 1.0,
+            dest_lse, *dest_lse_strides,
+            lse_mode(lse is not None, lse_with_sink) if final else LSE_PLAIN, lse_scale if final else 1.0,
             num_heads, float(sm_scale) * LOG2E, cfg.blocks_per_split,
         ),
         constexprs=dict(**constexprs, FINAL=final, DOT_BF16=not interpret, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k),
@@ -230,7 +232,8 @@ def launches(kernel, name: str, constexprs: dict, q, kv_cache, indices, *, sm_sc
     )
     if final:
         return [main]
-    return [main, combine_launch(dest, dest_lse, sink=sink, out=out, lse=lse, lse_scale=lse_scale)]
+    return [main, combine_launch(dest, dest_lse, sink=sink, out=out, lse=lse, lse_scale=lse_scale,
+                                 lse_with_sink=lse_with_sink)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,7 +258,7 @@ def check_alignment(kv_cache: torch.Tensor, kv_layout: str) -> None:
 
 
 def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_scale, kv_layout, topk_length,
-             sink, out, return_lse, lse_base, config: plan.LaunchConfig | None):
+             sink, out, return_lse, lse_base, config: plan.LaunchConfig | None, lse_with_sink: bool = False):
     """Allocate what a call returns, pick its config (``config`` or the table's for ``kernel`` on
     this device's family) and run the launches ``make_plan`` (a ``launch_plan``) returns."""
     num_tokens, num_heads, _ = q.shape
@@ -276,7 +279,7 @@ def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_sc
     if out is not None and out.stride(-1) != 1:
         result = run_plan(make_plan, kernel, q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout,
                           topk_length=topk_length, sink=sink, out=None, return_lse=return_lse,
-                          lse_base=lse_base, config=config)
+                          lse_base=lse_base, config=config, lse_with_sink=lse_with_sink)
         out.copy_(result[0] if return_lse else result)
         return (out, result[1]) if return_lse else out
     if out is None:
@@ -288,6 +291,7 @@ def run_plan(make_plan, kernel: plan.KernelShape, q, kv_cache, indices, *, sm_sc
     family = plan.DEFAULT_FAMILY if device.type != "cuda" else _family(device.index or 0)
     cfg = config or plan.launch_config(kernel.name, num_tokens, num_heads, indices.shape[1], family, kv_layout)
     for launch in make_plan(q, kv_cache, indices, sm_scale=sm_scale, kv_layout=kv_layout, topk_length=topk_length,
-                            sink=sink, out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret):
+                            sink=sink, out=out, lse=lse, lse_base=lse_base, cfg=cfg, interpret=interpret,
+                            lse_with_sink=lse_with_sink):
         launch.run()
     return (out, lse) if return_lse else out

@@ -4,8 +4,9 @@ A split program stores its range's normalized output (fp32 or bf16 ``[T, S, H, 5
 LSE (``[T, S, H]``); :func:`combine_kernel` merges a (token, head, 128 columns)'s splits with
 weights ``exp2(lse_s - running max)`` and, as an unsplit program does in :func:`finalize`, applies
 the sink once (``out *= 1 / (1 + exp(sink - lse))``, :func:`sink_factor`), rounds the output to
-its dtype and stores the LSE. Both families' outputs are 512 wide, held by an unsplit program as
-four 128-wide tiles (four accumulators).
+its dtype and stores the LSE: sink-free, or with the sink folded in (:func:`fold_sink`) when the caller
+asks for it (``write_lse`` = :data:`~.host.LSE_WITH_SINK`). Both families' outputs are 512 wide, held by
+an unsplit program as four 128-wide tiles (four accumulators).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_sm120_plugin.kernels.shared.host import LSE_WITH_SINK, lse_mode
 from mla_sm120_plugin.kernels.shared.launch_plan import COMBINE_SPLIT_BLOCK
 from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, store_rounded
 
@@ -44,6 +46,21 @@ def sink_factor(sink, lse2):
     return tl.where(empty, 0.0, 1.0 / (1.0 + tl.math.exp2(sink * LOG2E_K - tl.where(empty, 0.0, lse2))))
 
 
+LSE_WITH_SINK_K: tl.constexpr = tl.constexpr(LSE_WITH_SINK)
+
+
+@triton.jit
+def fold_sink(lse2, sink):
+    """``log2(2^lse2 + e^sink)``: a base-2 LSE with the sink (natural log) counted as one more term of
+    the denominator. Total: an empty head (``lse2`` = -inf) gets the sink itself, a -inf sink (a head
+    whose sink this call does not count) leaves ``lse2`` as it is, both -inf stay -inf (no -inf - -inf)."""
+    sink2 = sink * LOG2E_K
+    top = tl.maximum(lse2, sink2)
+    none = top == float("-inf")
+    safe = tl.where(none, 0.0, top)
+    return tl.where(none, float("-inf"), safe + tl.math.log2(tl.math.exp2(lse2 - safe) + tl.math.exp2(sink2 - safe)))
+
+
 @triton.jit
 def finalize(
     out_ptr, out_row, out_stride_h, lse_ptr, lse_row, lse_stride_h,
@@ -53,10 +70,14 @@ def finalize(
     """Apply the sink, store the normalized output tiles (in out's dtype) and the LSE.
 
     ``acc*`` are already normalized (0 for a row with no valid candidate); ``lse2`` is base 2 and
-    is stored times ``lse_scale`` (1 for base 2, ln 2 for natural log).
+    is stored times ``lse_scale`` (1 for base 2, ln 2 for natural log), with the sink folded in
+    where ``write_lse`` asks for it (:data:`~.host.LSE_WITH_SINK`).
     """
+    stored = lse2
     if has_sink:
         sink = tl.load(sink_ptr + heads * sink_stride, mask=h_mask, other=0.0)
+        if write_lse == LSE_WITH_SINK_K:
+            stored = fold_sink(lse2, sink)
         factor = sink_factor(sink, lse2)[:, None]
         acc0 = acc0 * factor
         acc1 = acc1 * factor
@@ -70,7 +91,7 @@ def finalize(
     store_rounded(ptrs + 2 * TILE, acc2, mask)
     store_rounded(ptrs + 3 * TILE, acc3, mask)
     if write_lse:
-        tl.store(lse_ptr + lse_row + heads * lse_stride_h, lse2 * lse_scale, mask=h_mask)
+        tl.store(lse_ptr + lse_row + heads * lse_stride_h, stored * lse_scale, mask=h_mask)
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED_COMBINE)
@@ -84,7 +105,8 @@ def combine_kernel(
     SPLIT_BLOCK: tl.constexpr,
 ):
     """Merge one (token, head, column tile)'s splits, ``SPLIT_BLOCK`` a step: weights
-    exp2(lse_s - running max), renormalized; then the sink once, the store and (tile 0) the LSE."""
+    exp2(lse_s - running max), renormalized; then the sink once, the store and (tile 0) the LSE
+    (the sink folded in where ``write_lse`` asks for it)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -113,16 +135,21 @@ def combine_kernel(
     lse2 = tl.where(has_any, tl.where(m == float("-inf"), 0.0, m) + tl.math.log2(tl.where(has_any, total, 1.0)),
                     float("-inf"))
     acc = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    stored = lse2
     if has_sink:
-        acc = acc * sink_factor(tl.load(sink_ptr + head * sink_stride), lse2)
+        sink = tl.load(sink_ptr + head * sink_stride)
+        if write_lse == LSE_WITH_SINK_K:
+            stored = fold_sink(lse2, sink)
+        acc = acc * sink_factor(sink, lse2)
     store_rounded(out_ptr + tok * out_stride_t + head.to(tl.int64) * out_stride_h + cols, acc, None)
     if write_lse:
-        tl.store(lse_ptr + tok * lse_stride_t + head * lse_stride_h, lse2 * lse_scale, mask=tile == 0)
+        tl.store(lse_ptr + tok * lse_stride_t + head * lse_stride_h, stored * lse_scale, mask=tile == 0)
 
 
-def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launch:
+def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale, lse_with_sink: bool = False) -> Launch:
     """The combine of ``partials`` ([T, S, H, 512], fp32 or bf16) and their base-2 LSE ([T, S, H])
-    into ``out`` (and ``lse``, times ``lse_scale``, when given; ``sink`` applied once)."""
+    into ``out`` (and ``lse``, times ``lse_scale``, when given, with ``sink`` folded in when
+    ``lse_with_sink``; ``sink`` applied to ``out`` once)."""
     num_tokens, num_splits, num_heads, _ = partials.shape
     has_sink = sink is not None
     lse_arg = lse if lse is not None else partial_lse
@@ -134,7 +161,7 @@ def combine_launch(partials, partial_lse, *, sink, out, lse, lse_scale) -> Launc
             partial_lse, *partial_lse.stride(),
             sink if has_sink else partials, sink.stride(0) if has_sink else 0, int(has_sink),
             out, out.stride(0), out.stride(1),
-            lse_arg, lse_arg.stride(0), lse_arg.stride(-1), int(lse is not None), lse_scale,
+            lse_arg, lse_arg.stride(0), lse_arg.stride(-1), lse_mode(lse is not None, lse_with_sink), lse_scale,
             num_heads, num_splits,
         ),
         constexprs=dict(SPLIT_BLOCK=COMBINE_SPLIT_BLOCK),

@@ -8,6 +8,17 @@ import os
 LOG2E = math.log2(math.e)  # the kernels keep scores in base 2 (exp2): s * LOG2E
 LN2 = math.log(2.0)  # a base-2 LSE times LN2 is the natural-log one
 
+# What a kernel's final store writes as the LSE (its ``write_lse`` argument, a runtime int): nothing,
+# the sink-free ``logsumexp(s)``, or the same with the sink counted as one more term of the softmax
+# denominator, ``log(exp(lse) + exp(sink))`` (a head with nothing valid: the sink itself).
+LSE_NONE, LSE_PLAIN, LSE_WITH_SINK = 0, 1, 2
+
+
+def lse_mode(wanted: bool, with_sink: bool) -> int:
+    """The ``write_lse`` value of a call: :data:`LSE_NONE` unless the LSE is ``wanted``, then
+    :data:`LSE_WITH_SINK` or :data:`LSE_PLAIN`."""
+    return LSE_NONE if not wanted else LSE_WITH_SINK if with_sink else LSE_PLAIN
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints. (``triton.cdiv`` is a jit-callable: ~5 us a call on the host, in a
