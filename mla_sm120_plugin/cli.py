@@ -131,7 +131,7 @@ def _engine_features(name: str, release: str, given: Iterable[str]) -> frozenset
     from .errors import ConfigError, format_error
 
     engine = lookup(name, release)
-    known = sorted({*engine.feature_flags, *engine.dcp_features})
+    known = sorted({*engine.feature_flags, *engine.dcp.features})
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ConfigError(format_error(f"--engine-feature {' '.join(unknown)} with --engine {name}",

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from . import config as config_mod
 from . import engines as engines_mod
 from . import families
-from .errors import ConfigError, MlaSm120Error, UnsupportedConfiguration, format_error
+from .errors import ConfigError, MlaSm120Error, format_error
 from .kernels.dsa.layout import ROPE_DIM
 from .modelinfo import ModelFacts
 from .types import AUTO, DeviceInfo, SelectionContext
@@ -105,19 +105,11 @@ def build_context(
     :param device: the device decided for.
     :param kv_cache_dtype: the engine's KV-cache dtype spelling (see :func:`kv_layout`).
     :param limits: the engine's parallelism and call-size limits.
-    :returns: the context :func:`mla_sm120_plugin.selection.select` decides on.
-    :raises UnsupportedConfiguration: the TP size does not divide the model's heads, or the DCP size
-        does not divide the TP size.
+    :returns: the context :func:`mla_sm120_plugin.selection.select` decides on (a DCP size that does not
+        divide the TP size is the policy's refusal: :func:`mla_sm120_plugin.rules.dcp_refusals`).
+    :raises UnsupportedConfiguration: the TP size does not divide the model's heads.
     """
     tp, dcp = limits.tensor_parallel_size, limits.decode_context_parallel_size
-    if tp % dcp:
-        engine, divisors = limits.facts, [d for d in range(1, tp + 1) if tp % d == 0]
-        raise UnsupportedConfiguration(format_error(
-            f"{engine.dcp_flag} {dcp} with tensor_parallel_size={tp}: decode context parallelism shards the "
-            "cache over ranks of the tensor-parallel group",
-            f"a DCP size that divides the TP size ({', '.join(map(str, divisors))})",
-            f"pass {engine.dcp_flag} {max(d for d in divisors if d <= dcp)}, "
-            f"or raise the TP size to a multiple of {dcp}"))
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,

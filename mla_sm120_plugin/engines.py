@@ -75,6 +75,56 @@ class Dsv4Calls:
         return next((size for size in sizes if size >= heads), heads)
 
 
+LSE_BASES = ("e", "2")  # natural log, base 2: the bases an engine's merge may read a rank's LSE in
+
+
+@dataclass(frozen=True)
+class DcpFacts:
+    """How one engine runs decode context parallelism (DCP) for sparse MLA, and what it refuses there.
+
+    The engine shards the cache by token over ranks of its TP group, gathers the group's query heads for
+    each call and merges the ranks' partial outputs by the LSE each returns; the plugin computes a rank's
+    share (:mod:`mla_sm120_plugin.dispatch.dcp`). What the plan refuses under DCP is in
+    :func:`mla_sm120_plugin.rules.dcp_refusals`, from these facts.
+
+    :param flag: how the DCP size is set (vLLM's ``--decode-context-parallel-size``, SGLang's ``--dcp-size``).
+    :param lse_base: the base the engine's merge reads a rank's LSE in (``"e"`` or ``"2"``): what the
+        kernel is asked for, never converted after.
+    :param interleave_flag: how the tokens a rank owns in a row are set (empty: one token at a time).
+    :param merge_picks: the indexer's picks a row that the engine's DCP top-k merge ranks (vLLM: its
+        CuteDSL merge of every rank's candidates); empty: no merge (the index cache is replicated).
+    :param merge_note: what that merge runs on (a plan note under DCP).
+    :param layouts_refused: cache layouts the engine refuses under DCP -> why.
+    :param features: engine features (:attr:`~mla_sm120_plugin.types.SelectionContext.features`) the
+        engine refuses under DCP only -> (its words, the fix); the plugin serves them without DCP.
+    :param kpool_refused: why the engine refuses DCP for a pooled indexer (``index_kpool`` > 1) whatever
+        the interleave (empty: a pooled key's tokens are kept on one rank by the interleave).
+    :param sinks_note: what the engine itself does about a model with learned sinks under DCP (a plan note
+        beside the plugin's one rule; empty: nothing to add).
+    """
+
+    flag: str
+    lse_base: str
+    interleave_flag: str = ""
+    merge_picks: tuple[int, ...] = ()
+    merge_note: str = ""
+    layouts_refused: Mapping[str, str] = field(default_factory=dict)
+    features: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    kpool_refused: str = ""
+    sinks_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.lse_base not in LSE_BASES:
+            raise ValueError(format_error(f"DcpFacts.lse_base={self.lse_base!r}", f"one of {LSE_BASES}",
+                                          "say which base the engine's DCP merge reads"))
+
+    @property
+    def lse_base_on_e(self) -> bool:
+        """:attr:`lse_base` as both engines' merges spell it (vLLM's ``lse_base_on_e``, SGLang's
+        ``is_mla_dcp_lse_base_on_e``): natural log or not."""
+        return self.lse_base == "e"
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine's vocabulary and the facts about it the decision depends on.
@@ -122,19 +172,10 @@ class Engine:
     :param kernel_flags_by_family: model family -> (how its flags are named in messages, (plugin setting,
         the engine's argument naming a kernel for it) pairs): the engine's own flags that force a kernel per
         phase; a family absent here has none.
-    :param dcp_flag: how decode context parallelism is sized.
-    :param dcp_interleave_flag: how the tokens a DCP rank owns in a row are set.
-    :param dcp_merge_picks: the indexer's picks a row that the engine's DCP top-k merge ranks (vLLM: its
-        CuteDSL merge of every rank's candidates); empty: no merge (the index cache is replicated).
-    :param dcp_merge_note: what that merge runs on (a plan note under DCP).
-    :param dcp_layouts_refused: cache layouts the engine refuses under DCP -> why.
-    :param dcp_refused: why the plugin's binding under this engine does not serve decode context
-        parallelism (empty: it does).
-    :param dcp_features: engine features (:attr:`~mla_sm120_plugin.types.SelectionContext.features`) the
-        engine refuses under DCP only -> (its words, the fix); the plugin serves them without DCP.
-    :param dcp_kpool_refused: why the engine refuses DCP for a pooled indexer (``index_kpool`` > 1)
-        whatever the interleave (empty: a pooled key's tokens are kept on one rank by the interleave).
-    :param dcp_sink_owner: which DCP rank applies a head's learned sink (a plan note under DCP).
+    :param dcp: how the engine runs decode context parallelism (:class:`DcpFacts`).
+    :param call_lengths: the engine's DSA call hands the kernel per-row top-k lengths without DCP too
+        (SGLang: its metadata's lengths where their rows match q's); False: only the ids, -1 padded (vLLM).
+        The init self-check runs the call as the engine makes it.
     """
 
     name: str
@@ -147,6 +188,7 @@ class Engine:
     decode_bound: str
     eager_flag: str
     dsv4: Dsv4Calls
+    dcp: DcpFacts
     native_backends: Mapping[int, str] = field(default_factory=dict)
     feature_flags: Mapping[str, str] = field(default_factory=dict)
     auto_fp8_from_sm: int | None = None
@@ -166,15 +208,7 @@ class Engine:
     opt_in_every_layer: bool = False
     plain_fp8: str = ""
     kernel_flags_by_family: Mapping[str, tuple[str, tuple[tuple[str, str], ...]]] = field(default_factory=dict)
-    dcp_flag: str = ""
-    dcp_refused: str = ""
-    dcp_interleave_flag: str = ""
-    dcp_merge_picks: tuple[int, ...] = ()
-    dcp_merge_note: str = ""
-    dcp_layouts_refused: Mapping[str, str] = field(default_factory=dict)
-    dcp_features: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    dcp_kpool_refused: str = ""
-    dcp_sink_owner: str = ""
+    call_lengths: bool = False
 
     @property
     def versioned(self) -> str:
@@ -268,16 +302,19 @@ VLLM = Engine(
         "hisparse": "drop the HiSparse attention config (attention_config.hisparse_config)",
         "pcp": "set --prefill-context-parallel-size 1",
     },
-    dcp_flag="--decode-context-parallel-size",
-    dcp_interleave_flag="--cp-kv-cache-interleave-size",
-    # sparse_attn_indexer._merge_dcp_topk_global: each rank scores its own shard of the index cache and
-    # the exact global top-k is picked from every rank's candidates, by CuteDSL only (no torch path).
-    dcp_merge_picks=(512, 1024, 2048),
-    dcp_merge_note=("vLLM merges the ranks' index top-k with its CuteDSL kernel (_merge_dcp_topk_global; "
+    dcp=DcpFacts(
+        flag="--decode-context-parallel-size",
+        # The merge reads the impl's lse_base_on_e, which the plugin's impl declares from this fact.
+        lse_base="e",
+        interleave_flag="--cp-kv-cache-interleave-size",
+        # sparse_attn_indexer._merge_dcp_topk_global: each rank scores its own shard of the index cache and
+        # the exact global top-k is picked from every rank's candidates, by CuteDSL only (no torch path).
+        merge_picks=(512, 1024, 2048),
+        merge_note=("vLLM merges the ranks' index top-k with its CuteDSL kernel (_merge_dcp_topk_global; "
                     "nvidia-cutlass-dsl, a vLLM dependency; no SM gate in its code, not yet run on an SM12x GPU by "
                     "this project)"),
-    # The impl gathers the [heads] sinks over the DCP group once, after the weights load (gather_sinks).
-    dcp_sink_owner="DCP rank 0 applies every head's sink (the sinks gathered over the DCP group after the weights load)",
+    ),
+    call_lengths=False,  # forward_mqa hands the kernels global slots alone (-1 padded) without DCP
     nope_layouts={FP8_DS_MLA: FP8_DS_MLA_NOPE, BF16: BF16_NOPE},
     # vLLM 0.33 writes nvfp4_ds_mla in its DSA models' fused_norm_rope only (DeepSeek-V3.2 geometry);
     # its own reader, FLASHMLA_SPARSE, refuses it off SM100.
@@ -316,8 +353,9 @@ VLLM_034 = dataclasses.replace(
     nope_layouts={FP8_DS_MLA: FP8_NOPE, BF16: BF16_NOPE},
     dsv4=dataclasses.replace(VLLM.dsv4, compressed_page_tokens={"v4": 256, "v4.1": 64}),
     release="0.34.0",
-    dcp_layouts_refused={NVFP4_DS_MLA: "vLLM 0.34.0 refuses it at config (validate_nvfp4_kv_cache_with_mla: its "
-                                       "chunked-context prefill gather is not validated under DCP)"},
+    dcp=dataclasses.replace(VLLM.dcp, layouts_refused={
+        NVFP4_DS_MLA: "vLLM 0.34.0 refuses it at config (validate_nvfp4_kv_cache_with_mla: its chunked-context "
+                      "prefill gather is not validated under DCP)"}),
     install='pip install "mla-sm120-plugin[vllm034]" (vLLM 0.34.0; where the index lacks flashinfer-python 0.7.3, '
             "uv pip install ... --override .ci/vllm034-overrides.txt)",
     missing_architectures={},
@@ -364,26 +402,30 @@ SGLANG = Engine(
         "hisparse": "drop --enable-hisparse",
         "skip_softmax": "unset SGLANG_SKIP_SOFTMAX_PREFILL/DECODE_THRESHOLD_SCALE_FACTOR",
     },
-    dcp_flag="--dcp-size",
     # SGLang's DSA DCP (arg_groups/model_overrides/deepseek_v2.py, _dsa_dcp_overrides): slot % dcp owns a token,
     # one token at a time (no interleave flag); the indexer's cache is replicated, so no top-k merge.
-    dcp_merge_note=("SGLang merges the ranks' partial outputs by their base-2 LSE (cp_lse_ag_out_rs_mla, or "
+    dcp=DcpFacts(
+        flag="--dcp-size",
+        # is_mla_dcp_lse_base_on_e("dsa") is False: its merges read base 2 (checked against SGLang at the call).
+        lse_base="2",
+        merge_note=("SGLang merges the ranks' partial outputs by their base-2 LSE (cp_lse_ag_out_rs_mla, or "
                     "dcp_a2a_lse_reduce under --dcp-comm-backend a2a); its indexer cache is replicated, so every "
                     "rank picks the same top-k; with --mla-sm120 the DSA backends are the plugin's, not trtllm "
                     "(which SGLang forces under --dcp-size > 1 and which does not run on SM12x)"),
-    dcp_features={
-        "hicache": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support HiSparse or HiCache.'",
-                    "drop --enable-hierarchical-cache"),
-        "pd_disaggregation": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support PD disaggregation.'",
-                              "serve without --disaggregation-mode"),
-        "eagle_topk": ("SGLang 0.5.23 refuses it: 'DSA DCP requires --speculative-eagle-topk 1.'",
-                       "pass --speculative-eagle-topk 1"),
-    },
-    dcp_kpool_refused=("SGLang 0.5.23 refuses it: 'a pooled index key spans positions owned by different DCP "
+        features={
+            "hicache": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support HiSparse or HiCache.'",
+                        "drop --enable-hierarchical-cache"),
+            "pd_disaggregation": ("SGLang 0.5.23 refuses it: 'DSA DCP does not support PD disaggregation.'",
+                                  "serve without --disaggregation-mode"),
+            "eagle_topk": ("SGLang 0.5.23 refuses it: 'DSA DCP requires --speculative-eagle-topk 1.'",
+                           "pass --speculative-eagle-topk 1"),
+        },
+        kpool_refused=("SGLang 0.5.23 refuses it: 'a pooled index key spans positions owned by different DCP "
                        "ranks' (it shards the cache one token at a time)"),
-    # SGLang alone refuses HY V4 under DCP (no single owner for the sinks); the plugin lifts that refusal.
-    dcp_sink_owner=("each head's sink is applied by the DCP rank whose heads they are (its own sink parameter, no "
-                    "gather; SGLang alone refuses --dcp-size > 1 for HY V4, --mla-sm120 lifts that refusal)"),
+        # SGLang alone refuses HY V4 under DCP (no single owner for the sinks); the plugin lifts that refusal.
+        sinks_note="SGLang alone refuses --dcp-size > 1 for HY V4 (no single owner of a sink); --mla-sm120 lifts it",
+    ),
+    call_lengths=True,  # flashinfer_sparse_mla_forward's seq_lens: per-row top-k lengths where rows match q's
     # _dsa_kv_cache_dtype_default: auto -> fp8_e4m3 for DSA models on SM >= 10 (no learnable sinks).
     auto_fp8_from_sm=10,
     scale_format=SCALE_ARBITRARY,  # its DSA cache writer stores amax/448 for every model

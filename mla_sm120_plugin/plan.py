@@ -20,6 +20,7 @@ from .errors import UnsupportedConfiguration, format_error
 from .engines import Engine, lookup
 from .hooks.manager import Registry, get_registry
 from .modelinfo import ModelFacts
+from .rules import dcp_notes
 from .selection import select
 from .types import PHASES, Decision, DeviceInfo
 
@@ -146,7 +147,7 @@ def plan(
     if problems:
         raise UnsupportedConfiguration("\n".join(f"layer kinds {', '.join(kinds)}:\n{text}"
                                                  for text, kinds in problems.items()))
-    notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes)
+    notes = [note for d in decisions.values() for note in d.notes] + list(shaped.notes) + list(dcp_notes(base))
     return Plan(facts=facts, engine=limits.engine, device=device, tensor_parallel_size=limits.tensor_parallel_size,
                 family=family.name, decisions=decisions, kv_cache=shaped.kv_cache, notes=tuple(dict.fromkeys(notes)),
                 release=engine.release, decode_context_parallel_size=limits.decode_context_parallel_size)

@@ -463,6 +463,26 @@ class SelectionContext:
 
 
 @dataclass(frozen=True)
+class DcpService:
+    """What a model family declares about decode context parallelism (its ``dcp`` attribute): whether its
+    calls can be cut into ranks' shares that the engine merges by their LSE. A family that declares
+    nothing is refused under DCP (:func:`mla_sm120_plugin.rules.dcp_refusals`).
+
+    :param served: each rank's share is computed (by the one home, :mod:`mla_sm120_plugin.dispatch.dcp`).
+    :param why_not: why not, in the refusal's words (required when not served).
+    """
+
+    served: bool
+    why_not: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.served, bool) or (not self.served and not self.why_not):
+            raise PluginError(format_error(f"DcpService(served={self.served!r}, why_not={self.why_not!r})",
+                                           "served=True, or served=False with why_not saying why",
+                                           "declare the family's decode context parallelism with a reason"))
+
+
+@dataclass(frozen=True)
 class Refusal:
     """A reason an ``mla_sm120_validate`` hook refuses a context (a plain string also works).
 

@@ -6,8 +6,8 @@
 (``models/deepseek_v32/attention.py``):
 
 - the impl is built by :func:`vllm_engine.make_impl` (selector first; ``dcp_world_size`` / ``dcp_rank``
-  from vLLM's DCP group) and, for a model with sinks, gets them through vLLM's
-  ``process_weights_after_loading`` hook;
+  from vLLM's DCP group) and, for a model with sinks, gets its own heads' sink parameter, filled after
+  construction as vLLM's loader fills it (then vLLM's ``process_weights_after_loading`` hook runs);
 - the rank's cache holds only the tokens it owns (``position // interleave % world``, at
   ``position // (interleave * world) * interleave + position % interleave`` of its own block table);
 - the layer's ``MLADCPManager`` (vLLM's) gathers q's heads over the group, the impl's ``forward_mqa``
@@ -48,8 +48,8 @@ class Case:
     seq_lens: tuple[int, ...] = (150, 9, 70, 40)
     sinks: bool = False
     # Rows whose ids are rewritten: "padded" (no id: length 0), "first_rank" (only positions the
-    # first rank owns, so the others have none).
-    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank")))
+    # first rank owns, so the others have none), "others" (none the first rank owns).
+    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank"), (3, "others")))
 
 
 def _owner_local(pos: int, world: int, interleave: int) -> tuple[int, int]:
@@ -76,9 +76,10 @@ def _problem(case: Case, world: int):
     for row, kind in case.special:
         t = starts[row]
         logical[t] = -1
-        if kind == "first_rank":
+        if kind in ("first_rank", "others"):
             visible = case.seq_lens[row] - case.q_lens[row] + 1
-            mine = [p for p in range(visible) if _owner_local(p, world, case.interleave)[0] == 0][: case.topk]
+            mine = [p for p in range(visible)
+                    if (_owner_local(p, world, case.interleave)[0] == 0) == (kind == "first_rank")][: case.topk]
             logical[t, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
     q = torch.randn(n, case.heads * world, width, generator=gen).to(torch.bfloat16)
     sinks = (torch.randn(case.heads * world, generator=gen) * 2).float() if case.sinks else None
@@ -96,6 +97,15 @@ def _layout(case: Case) -> str:
 def owned(pos, world: int, interleave: int, rank: int):
     """Which of the positions ``pos`` (a tensor) rank ``rank`` keeps."""
     return (pos // interleave) % world == rank
+
+
+def own_sinks(sinks, world: int, rank: int):
+    """The sinks rank ``rank``'s partial counts: its own heads' (the slice ``rank`` of the gathered heads),
+    -inf (none) for the others', which their ranks count; None without sinks."""
+    if sinks is None:
+        return None
+    mine = (torch.arange(sinks.shape[0]) // (sinks.shape[0] // world)) == rank
+    return torch.where(mine, sinks, torch.full_like(sinks, float("-inf")))
 
 
 def expected(case: Case, rows64, q, logical, sinks, scale: float, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +126,8 @@ def expected(case: Case, rows64, q, logical, sinks, scale: float, keep=None) -> 
         if s.shape[1] == 0:
             continue
         lse[t] = torch.logsumexp(s, dim=-1)
-        out[t] = torch.softmax(s, dim=-1)[:, : k.shape[0]] @ k[:, :512]
+        finite = torch.where(torch.isfinite(lse[t]), lse[t], torch.zeros_like(lse[t]))  # a head with nothing: 0
+        out[t] = torch.exp(s - finite[:, None])[:, : k.shape[0]] @ k[:, :512]
     return out, lse
 
 

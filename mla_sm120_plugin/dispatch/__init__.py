@@ -13,7 +13,9 @@
   family, with a case module per family (:mod:`.selfcheck_dsa`, :mod:`.selfcheck_dsv4`, named by the
   family's ``selfcheck_case``);
 - :mod:`.bound`: a decision bound for an engine (verified, bound, logged once): the one service every
-  engine binding calls.
+  engine binding calls;
+- :mod:`.dcp`: a decode-context-parallel rank's share of a call (the one sink rule, the LSE in the
+  base the engine's merge reads), the one home both engines' adapters call.
 
 Imports point down only: these modules import :mod:`mla_sm120_plugin.kernels`, never the reverse.
 Importing this package imports nothing heavy.

@@ -6,7 +6,10 @@ weights have loaded, or never. :func:`check` runs a kernel once on a small deter
 the real cache layout, heads and page sizes, with adversarial candidates, and compares it with
 float64 attention over the case's dequantized rows in FlashMLA's metrics
 (:mod:`mla_sm120_plugin.kernels.accuracy`), against the kernel's declared ``KernelSpec.accuracy``
-(its ``tolerance``, a max error, for a kernel that declares none). The case is its family's
+(its ``tolerance``, a max error, for a kernel that declares none). Where the engine's caller reads
+the kernel's LSE too (decode context parallelism: the merge weighs each rank by it), the case runs the
+call as that caller makes it and holds the LSE to float64's as well (``AccuracyBound.lse_bound`` nats,
+-inf exactly where float64 has nothing, never NaN). The case is its family's
 (:mod:`.selfcheck_dsa`, :mod:`.selfcheck_dsv4`); the modes, the key, the result, the cache, the
 fallback along a decision's alternates (:func:`verify`), the refusal and the ``doctor --self-check``
 sweep (:func:`sweep`) are this module's, for every family. Results are kept per process and
@@ -28,7 +31,7 @@ import torch
 from .. import families
 from ..envs import SELF_CHECK as ENV
 from ..errors import MlaSm120Error, PluginError, UnsupportedConfiguration, format_error
-from ..kernels.accuracy import Accuracy, AccuracyBound, measure
+from ..kernels.accuracy import Accuracy, AccuracyBound, LseAccuracy, measure, measure_lse
 from ..kernels.dsa import layout as dsa_layout
 from ..types import Decision, KernelSpec
 from .binding import BoundKernel, bind
@@ -76,6 +79,12 @@ class CheckKey:
     :param window_page: a DeepSeek-V4 case's window-cache page (as the engine's call passes it).
     :param extra_page: its compressed-cache page (0: a window-only layer kind).
     :param sinks: a DSA case carries a learned sink logit per head (a model with sinks, HY V4).
+    :param lengths: the caller hands the kernel per-row top-k lengths (:attr:`Engine.call_lengths`;
+        always under DCP: the owned counts).
+    :param lse: the base the caller reads the LSE in (``"e"`` / ``"2"``): the case is a decode-context-
+        parallel rank's call and its LSE is checked; None: the caller reads none.
+    :param dcp: the DCP size of that call (its heads are ``dcp`` ranks' heads; the rank counts its own
+        heads' sinks, :func:`mla_sm120_plugin.dispatch.dcp.call_sinks`).
     """
 
     kernel: str
@@ -90,6 +99,9 @@ class CheckKey:
     window_page: int = 0
     extra_page: int = 0
     sinks: bool = False
+    lengths: bool = True
+    lse: str | None = None
+    dcp: int = 1
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class CheckResult:
     :param error: why it failed, in one line; None when it passed.
     :param accuracy: cos_diff, relRMS and max error against float64; None when it did not run.
     :param bound: the kernel's declared :class:`AccuracyBound`; None when it declares only a tolerance.
+    :param lse: the worst of the LSE forms checked (the key's ``lse``); None when none was.
     """
 
     key: CheckKey
@@ -112,6 +125,7 @@ class CheckResult:
     error: str | None
     accuracy: Accuracy | None = None
     bound: AccuracyBound | None = None
+    lse: LseAccuracy | None = None
 
     @property
     def passed(self) -> bool:
@@ -124,15 +138,24 @@ class CheckResult:
 
     def summary(self) -> str:
         if self.passed:
+            lse = "" if self.lse is None else f"; {self.lse.summary()} (base {self.key.lse}) <= {_lse_bound(self.bound):g}"
             if self.accuracy is not None and self.bound is not None:
-                return f"{self.key.kernel} ok ({self.accuracy.summary()}; bound {self.bound.summary()}; {self.seconds:.2f} s)"
-            return f"{self.key.kernel} ok (max error {self.max_error:.2e} <= {self.tolerance:.0e}, {self.seconds:.2f} s)"
+                return (f"{self.key.kernel} ok ({self.accuracy.summary()}; bound {self.bound.summary()}{lse}; "
+                        f"{self.seconds:.2f} s)")
+            return (f"{self.key.kernel} ok (max error {self.max_error:.2e} <= {self.tolerance:.0e}{lse}, "
+                    f"{self.seconds:.2f} s)")
         fp8 = self.key.kv_layout in dsa_layout.FP8_LAYOUTS and self.key.written_format is not None
         where = f" on {self.key.written_format}-written scales" if fp8 else ""
         return f"{self.key.kernel} FAILED{where} ({self.error})"
 
 
 _results: dict[CheckKey, CheckResult] = {}
+# The LSE bound of a kernel that declares only a tolerance: the fast class's (a tolerance says nothing of it).
+_TOLERANCE_ONLY = AccuracyBound(cos_diff=1.0, rel_rms=1.0, max_rel=1.0)
+
+
+def _lse_bound(bound: AccuracyBound | None) -> float:
+    return (bound or _TOLERANCE_ONLY).lse_bound
 
 
 def mode() -> str:
@@ -193,43 +216,56 @@ def _compare(kernel: BoundKernel, key: CheckKey, case: Any, inputs: dict[str, An
     """Call the kernel on the case and compare it with float64 attention over the dequantized rows."""
     device = torch.device(key.device)
 
-    def result(ran: bool, error: str | None, got: Accuracy | None = None) -> CheckResult:
-        return CheckResult(key, ran, tolerance, time.perf_counter() - start, error, got, bound)
+    def result(ran: bool, error: str | None, got: Accuracy | None = None, lse: LseAccuracy | None = None) -> CheckResult:
+        return CheckResult(key, ran, tolerance, time.perf_counter() - start, error, got, bound, lse)
 
     try:
-        out = case.run(kernel, key, inputs)
+        observed = case.run(kernel, key, inputs)  # out, or (out, {LSE form: lse in natural log})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is the finding
         return result(False, one_line(exc))
     try:
-        ref = case.truth(key, inputs)
+        truth = case.truth(key, inputs)  # ref, or (ref, {LSE form: (float64 lse, sink to fold or None)})
     except Exception as exc:  # noqa: BLE001 - no ground truth on this device: the kernel is unproven
         return result(True, f"the torch reference could not run on {device}: {one_line(exc)}")
+    out, lses = observed if isinstance(observed, tuple) else (observed, {})
+    ref, want = truth if isinstance(truth, tuple) else (truth, {})
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return result(True, f"output shape {shape}, expected {tuple(ref.shape)}")
     got = measure(out, ref)
-    error = None
-    if bound is not None:
-        over = bound.violations(got)
-        if over:
-            error = f"{', '.join(over)} against float64 (bound {bound.summary()})"
-    elif not got.max_rel <= tolerance:  # NaN fails too
-        error = f"max error {got.max_rel:.3g} of the output's magnitude > tolerance {tolerance:g}"
-    return result(True, error, got)
+    over: list[str] = []
+    violated = bound.violations(got) if bound is not None else []
+    if violated:
+        over.append(f"{', '.join(violated)} against float64 (bound {bound.summary()})")
+    elif bound is None and not got.max_rel <= tolerance:  # NaN fails too
+        over = [f"max error {got.max_rel:.3g} of the output's magnitude > tolerance {tolerance:g}"]
+    worst = None
+    for form, (lse64, fold) in want.items():
+        lse = lses.get(form)
+        if not isinstance(lse, torch.Tensor) or lse.shape != lse64.shape:
+            over.append(f"{form}: the kernel returned {type(lse).__name__ if lse is None else tuple(lse.shape)}, "
+                        f"expected an LSE of {tuple(lse64.shape)}")
+            continue
+        measured = measure_lse(lse, lse64, fold)
+        over += (bound or _TOLERANCE_ONLY).lse_violations(measured, form)
+        if worst is None or not measured.max_abs <= worst.max_abs or measured.nan or measured.inf_mismatch:
+            worst = measured
+    return result(True, "; ".join(over) or None, got, worst)
 
 
 def check(kernel: BoundKernel, *, phase: str, kv_layout: str, num_heads: int, device: torch.device | str = "cpu",
           q_dtype: str = "bf16", scale_format: str | None = None, written_format: str | None = None, topk: int = 0,
-          window_page: int = 0, extra_page: int = 0) -> CheckResult:
+          window_page: int = 0, extra_page: int = 0, **call: Any) -> CheckResult:
     """Run ``kernel`` once on this machine against float64 (cached per :class:`CheckKey`; the
-    arguments are its fields, ``written_format`` defaulting to ``scale_format``).
+    arguments are its fields, ``written_format`` defaulting to ``scale_format``; ``call``: the fields
+    that say how the caller makes the call, ``sinks``, ``lengths``, ``lse`` and ``dcp``).
 
     :returns: the :class:`CheckResult`; never raises for a failing kernel.
     """
     key = CheckKey(kernel.name, phase, kv_layout, num_heads, str(torch.device(device)), q_dtype, scale_format,
-                   written_format or scale_format, topk, window_page, extra_page)
+                   written_format or scale_format, topk, window_page, extra_page, **call)
     return run(kernel, key)
 
 
@@ -380,13 +416,15 @@ def sweep(device: torch.device | str) -> list[dict[str, Any]]:
             try:
                 result = run(bind(name), key)
             except MlaSm120Error as exc:  # the entry does not import
-                row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None,
-                           tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=0.0,
+                row.update(ran=False, passed=False, cos_diff=None, rel_rms=None, max_error=None, lse_error=None,
+                           lse_bound=None, tolerance=spec.tolerance, bound=_bound_row(spec.accuracy), seconds=0.0,
                            error=f"{type(exc).__name__}: {exc}")
             else:
                 got = result.accuracy
                 row.update(ran=result.ran, passed=result.passed, cos_diff=None if got is None else got.cos_diff,
                            rel_rms=None if got is None else got.rel_rms, max_error=result.max_error,
+                           lse_error=None if result.lse is None else result.lse.max_abs,
+                           lse_bound=None if key.lse is None else _lse_bound(result.bound),
                            tolerance=result.tolerance, bound=_bound_row(result.bound), seconds=result.seconds,
                            error=result.error)
             rows.append(row)

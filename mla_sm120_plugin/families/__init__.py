@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 
 from ..errors import PluginError, format_error
 from ..hooks.specs import hookimpl
+from ..rules import dcp_refusals
 from ..types import KernelSpec, ModelProfile, Refusal, SelectionContext
 from . import dsa, dsv4
 from .base import Family, Shaped
@@ -54,5 +55,8 @@ def of_kernel(spec: KernelSpec) -> Family | None:
 @hookimpl
 def mla_sm120_validate(ctx: SelectionContext, profile: ModelProfile | None) -> Iterator[Refusal]:
     """The rules every engine shares, as the context's family states them (SM family, KV layout, engine
-    features, model geometry)."""
-    yield from get(ctx.family).refusals(ctx, profile)
+    features, model geometry), then decode context parallelism's, one set for every family (what the
+    family declares about it: :func:`~mla_sm120_plugin.rules.dcp_refusals`)."""
+    family = get(ctx.family)
+    yield from family.refusals(ctx, profile)
+    yield from dcp_refusals(ctx, family)

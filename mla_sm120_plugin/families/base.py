@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from ..engines import Engine
-from ..types import Decision, ModelProfile, Refusal, SelectionContext
+from ..types import DcpService, Decision, ModelProfile, Refusal, SelectionContext
 
 # ``ModelFacts`` (modelinfo), ``EngineLimits`` (context) and ``Plan`` (plan) sit on the floors above and
 # reach a family as arguments, read by attribute: named in annotations only, never imported.
@@ -48,6 +48,8 @@ class Family(Protocol):
         serves, what the user switches off to get there.
     :param has_call: its contexts carry a call shape (:attr:`SelectionContext.call`, set by :meth:`shape`
         per layer kind); a family without one decides its models as a single context.
+    :param dcp: whether (and why not) its calls are served under decode context parallelism
+        (:class:`~mla_sm120_plugin.types.DcpService`); a family that declares nothing is refused there.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Family(Protocol):
     selfcheck_case: str
     device_words: tuple[str, str, str]
     has_call: bool
+    dcp: DcpService
 
     def own_path(self, engine: Engine, sm_family: int | None) -> str:
         """The engine's own attention for this family's models on ``sm_family`` (a device refusal's fix)."""

@@ -12,8 +12,8 @@ from typing import Any, Iterator, Mapping
 
 from ..engines import Engine, for_context, others
 from ..kernels.dsa.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, ROPE_DIM
-from ..rules import context_parallel_refusals, device_refusal, feature_refusals
-from ..types import Decision, ModelProfile, Refusal, SelectionContext
+from ..rules import device_refusal, feature_refusals
+from ..types import DcpService, Decision, ModelProfile, Refusal, SelectionContext
 from .base import Shaped
 
 NAME = "dsa"
@@ -98,45 +98,6 @@ def _geometry_refusal(ctx: SelectionContext, engine: Engine) -> Refusal | None:
     return None
 
 
-def _dcp_refusals(ctx: SelectionContext, engine: Engine) -> Iterator[Refusal]:
-    """What the engine's DCP path needs of a DSA model and cache (nothing at DCP 1 or where the engine's
-    binding takes no DCP calls: :func:`~mla_sm120_plugin.rules.context_parallel_refusals` said why)."""
-    dcp = ctx.decode_context_parallel_size
-    if dcp == 1 or engine.dcp_refused:
-        return
-    given = f"{engine.dcp_flag} {dcp}"
-    why = engine.dcp_layouts_refused.get(ctx.kv_cache_dtype)
-    if why:
-        yield Refusal(f"{given} with kv_cache_dtype {ctx.kv_cache_dtype_given or ctx.kv_cache_dtype}: {why}",
-                      f"{engine.fp8_flag} or {engine.bf16_flag} under {given}",
-                      f"pass {engine.fp8_flag} with {given}, or set {engine.dcp_flag} 1 to keep this cache")
-    picks = ctx.index_picks if ctx.index_picks is not None else ctx.index_topk
-    if engine.dcp_merge_picks and picks not in engine.dcp_merge_picks:
-        yield Refusal(f"{given} for an indexer of top-k {picks}: {engine.label}'s DCP top-k merge ranks "
-                      f"{'/'.join(map(str, engine.dcp_merge_picks))} picks a row",
-                      f"an index_topk of {', '.join(map(str, engine.dcp_merge_picks))} under DCP",
-                      f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
-    for feature in sorted(ctx.features & set(engine.dcp_features)):
-        words, fix = engine.dcp_features[feature]
-        yield Refusal(f"{given} with {feature} on: {words}", f"{feature} off under {given}, or {engine.dcp_flag} 1",
-                      f"{fix}, or set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
-    kpool, interleave = ctx.index_kpool, ctx.cp_kv_cache_interleave_size
-    if interleave != 1 and not engine.dcp_interleave_flag:
-        yield Refusal(f"--cp-kv-cache-interleave-size {interleave} under {engine.versioned}: it has no such setting "
-                      "(it shards the cache one token at a time)", f"an interleave of 1 under {engine.label}",
-                      "drop --cp-kv-cache-interleave-size")
-    if kpool > 1 and engine.dcp_kpool_refused:
-        yield Refusal(f"{given} for an indexer that pools {kpool} keys a pick: {engine.dcp_kpool_refused}",
-                      f"{engine.dcp_flag} 1 for this model under {engine.versioned}",
-                      f"set {engine.dcp_flag} 1 (each GPU keeps the whole cache)")
-    elif kpool > 1 and interleave % kpool:
-        yield Refusal(f"{given} with {engine.dcp_interleave_flag} {interleave} for an indexer that pools {kpool} keys "
-                      f"a pick: a pooled key's {kpool} tokens must live on one rank ({engine.label} raises at model "
-                      "build otherwise)",
-                      f"{engine.dcp_interleave_flag} a multiple of {kpool} that divides the block size (64)",
-                      f"pass {engine.dcp_interleave_flag} {kpool}")
-
-
 def _profile_refusal(ctx: SelectionContext, profile: ModelProfile | None) -> Refusal | None:
     if profile is None:
         return None
@@ -173,6 +134,8 @@ class DsaFamily:
     layouts = frozenset(KV_LAYOUTS)
     selfcheck_case = "mla_sm120_plugin.dispatch.selfcheck_dsa"
     device_words = ("sparse-MLA backends", "DSA models", "this plugin")
+    # One latent cache sharded by token: a rank attends the ids it owns and returns its LSE.
+    dcp = DcpService(served=True)
 
     def own_path(self, engine: Engine, sm_family: int | None) -> str:
         return engine.own_backends(sm_family)
@@ -181,15 +144,7 @@ class DsaFamily:
               *, speculative_tokens: int = 0, dspark: bool = False) -> Shaped:
         """The one context of a DSA model: ``base`` itself (``speculative_tokens`` and ``dspark`` shape
         nothing here: the engine's decode bound in ``limits`` carries the draft tokens)."""
-        notes: tuple[str, ...] = ()
-        engine = for_context(base)
-        if base.decode_context_parallel_size > 1 and engine.dcp_merge_note:
-            notes += (engine.dcp_merge_note,)
-        if base.sinks and base.decode_context_parallel_size > 1:
-            notes += (f"learned sinks under decode context parallelism: {engine.dcp_sink_owner}. That rank folds a "
-                      "head's sink into the LSE it returns and the others apply none for that head, so the merged "
-                      "softmax counts each sink once",)
-        return Shaped(contexts={KIND: base}, kv_cache=base.kv_cache_dtype, notes=notes)
+        return Shaped(contexts={KIND: base}, kv_cache=base.kv_cache_dtype)
 
     def check_kv_cache_dtype(self, engine: Engine) -> str:
         """The engine's fp8 DSA cache."""
@@ -205,8 +160,6 @@ class DsaFamily:
                 yield refusal
         yield from feature_refusals(ctx, "the standard DSA cache and top-k path",
                                     f", or serve without {engine.enable_flag} ({engine.label}'s own sparse-MLA backends)")
-        yield from context_parallel_refusals(ctx)
-        yield from _dcp_refusals(ctx, engine)
         geometry = _geometry_refusal(ctx, engine)
         profile_refusal = _profile_refusal(ctx, profile) if geometry is None else None
         for refusal in (geometry, profile_refusal):

@@ -22,8 +22,8 @@ from ..engines import Engine, for_context, lookup, others
 from ..errors import UnsupportedConfiguration, format_error
 from ..kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, NVFP4_DSV4, NVFP4_RECORD, RECORDS, Dsv4Record
 from ..kernels.shared.host import cdiv
-from ..rules import context_parallel_refusals, device_refusal, feature_refusals
-from ..types import DECODE, PHASES, PREFILL, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
+from ..rules import device_refusal, feature_refusals
+from ..types import DECODE, PHASES, PREFILL, DcpService, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
 from .base import Shaped
 
 # ModelFacts and its Dsv4Geometry (modelinfo) reach this module as arguments: read by attribute, not
@@ -293,6 +293,9 @@ class Dsv4Family:
     layouts = frozenset(RECORDS)
     selfcheck_case = "mla_sm120_plugin.dispatch.selfcheck_dsv4"
     device_words = ("DeepSeek-V4 backends", "DeepSeek-V4", "the plugin's opt-in")
+    dcp = DcpService(served=False, why_not=(
+        "DeepSeek-V4's window and compressed caches are read whole by each call (no engine shards them by token on "
+        "any GPU yet); decode context parallelism is served for the DSA models"))
 
     def own_path(self, engine: Engine, sm_family: int | None) -> str:
         return engine.own_dsv4_path(sm_family)
@@ -327,9 +330,6 @@ class Dsv4Family:
                 f"pass --kv-cache-dtype {engine.dsv4.kv_spellings[-1]} (or auto)",
             )
         yield from feature_refusals(ctx, "the standard DeepSeek-V4 cache path", "")
-        yield from context_parallel_refusals(
-            ctx, "DeepSeek-V4's window and compressed caches are read whole by each call (no engine shards them by "
-                 "token on any GPU yet); decode context parallelism is served for the DSA models")
 
     def call_from_json(self, fields: Mapping[str, Any] | None) -> Dsv4Call | None:
         return None if fields is None else Dsv4Call(**fields)

@@ -7,8 +7,10 @@ divide TP, DeepSeek-V4, nvfp4_ds_mla under vLLM 0.34 (its config validator), an 
 merge does not rank, GLM-5.3-Flash's pooled keys split over ranks, and a kernel that returns no LSE.
 
 SGLang's ``--dcp-size N`` (issue 44) plans the same way, with SGLang's facts: its merge (no top-k merge: its
-indexer cache is replicated), its sink owner (the rank whose heads they are), and its own DCP refusals in its
-words (HiCache, PD disaggregation, ``--speculative-eagle-topk`` > 1, a pooled indexer), served without DCP.
+indexer cache is replicated) and its own DCP refusals in its words (HiCache, PD disaggregation,
+``--speculative-eagle-topk`` > 1, a pooled indexer), served without DCP. A learned sink follows one rule in
+both engines (issue 50): the rank whose heads they are counts it. Every DCP refusal is the policy's, in one
+place, for every family; a family that declares nothing about DCP is refused there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from helpers import assert_three_parts, decision_of
 from unit_helpers import _edge_ctx, _edge_registry
 
 from mla_sm120_plugin import cli
-from mla_sm120_plugin.errors import UnsupportedConfiguration
 
 GLM5 = ["check", "--model", "glm-5", "--tp", "8", "--kv-cache-dtype", "fp8_ds_mla"]
 
@@ -62,11 +63,13 @@ def test_dcp_1_plans_as_before(capsys):
     assert decision_of(plain)["heads_per_call"] == decision_of(plain)["heads_per_rank"] == 8
 
 
-def test_hy_v4_names_the_one_rank_sink(capsys):
-    assert cli.main(["check", "--model", "hy-v4", "--sm", "12.0", "--tp", "4", "--dcp", "2"]) == 0
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_hy_v4_names_the_one_sink_rule_in_both_engines(capsys, engine):
+    assert cli.main(["check", "--engine", engine, "--model", "hy-v4", "--sm", "12.0", "--tp", "4", "--dcp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "learned sinks under decode context parallelism: DCP rank 0 applies every head's sink" in out
-    assert "the others apply none for that head, so the merged softmax counts each sink once" in out
+    assert ("learned sinks under decode context parallelism: each head's learned sink is counted by the DCP rank "
+            "whose heads they are") in out
+    assert "the other ranks count none for that head, so the merged softmax counts each sink once" in out
 
 
 def test_glm53_flash_needs_its_pools_on_one_rank(capsys):
@@ -110,22 +113,38 @@ def test_a_kernel_without_an_lse_serves_no_dcp_context():
     reg = _edge_registry()  # a third-party kernel of the highest priority; returns_lse left False
     ctx = _edge_ctx(heads=16)
     assert select(ctx, registry=reg).decode == "edge"
-    dcp = select(dataclasses.replace(ctx, decode_context_parallel_size=2), registry=reg)
+    dcp = select(dataclasses.replace(ctx, decode_context_parallel_size=2, tensor_parallel_size=2), registry=reg)
     assert dcp.decode != "edge"
     (why,) = {r for rej in dcp.rejections if rej.kernel == "edge" for r in rej.reasons}
     assert why.startswith("returns no LSE: decode context parallelism (dcp=2) merges the ranks' partial outputs")
 
 
-def test_the_context_refuses_a_dcp_size_that_does_not_divide_tp():
-    from mla_sm120_plugin.config import Settings
-    from mla_sm120_plugin.context import EngineLimits, build_context
-    from mla_sm120_plugin.device import parse_device
-    from mla_sm120_plugin.hooks.manager import get_registry
-    from mla_sm120_plugin.modelinfo import resolve_model
+def test_the_policy_refuses_a_dcp_size_that_does_not_divide_tp_for_every_family(capsys):
+    for model in ("glm-5", "deepseek-v4-flash"):
+        assert cli.main(["check", "--model", model, "--sm", "12.0", "--tp", "4", "--dcp", "8"]) == 2
+        err = capsys.readouterr().err
+        assert "supported: a DCP size that divides the TP size (1, 2, 4)" in err, (model, err)
 
-    with pytest.raises(UnsupportedConfiguration, match=r"supported: a DCP size that divides the TP size \(1, 2, 4\)"):
-        build_context(resolve_model("glm-5", registry=get_registry()), Settings(), parse_device("12.0", source="--sm"), "fp8_ds_mla",
-                      EngineLimits(tensor_parallel_size=4, decode_context_parallel_size=8))
+
+def test_a_family_that_declares_nothing_about_dcp_is_refused_under_dcp():
+    """Silence is a refusal: the one place the plan's DCP rules live asks the family, not a list of families."""
+    import dataclasses
+
+    from mla_sm120_plugin import families
+    from mla_sm120_plugin.rules import dcp_refusals
+
+    ctx = dataclasses.replace(_edge_ctx(heads=16), decode_context_parallel_size=2, tensor_parallel_size=2)
+
+    class Silent:  # a family object with everything but a DCP declaration
+        label = "Silent"
+
+    (refusal,) = list(dcp_refusals(ctx, Silent()))
+    assert "its family declares nothing about decode context parallelism" in refusal.reason
+    assert refusal.fix == "set --decode-context-parallel-size 1 (each GPU keeps the whole cache)"
+    assert list(dcp_refusals(ctx, families.get("dsa"))) == []
+    (dsv4,) = list(dcp_refusals(ctx, families.get("dsv4")))
+    assert "DeepSeek-V4's window and compressed caches are read whole" in dsv4.reason
+    assert list(dcp_refusals(dataclasses.replace(ctx, decode_context_parallel_size=1), Silent())) == []
 
 
 SGLANG_GLM5 = ["check", "--engine", "sglang", "--model", "glm-5", "--sm", "12.0", "--tp", "8", "--kv-cache-dtype",
@@ -144,12 +163,11 @@ def test_sglang_plans_its_dcp_size_at_the_gathered_heads(capsys):
     assert "SGLang merges the ranks' partial outputs by their base-2 LSE" in out and "CuteDSL" not in out
 
 
-def test_sglang_hy_v4_under_dcp_names_its_sink_owner_and_the_lifted_refusal(capsys):
+def test_sglang_hy_v4_under_dcp_names_the_lifted_refusal(capsys):
     assert cli.main(["check", "--engine", "sglang", "--model", "hy-v4", "--sm", "12.0", "--tp", "4",
                      "--dcp-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "each head's sink is applied by the DCP rank whose heads they are" in out
-    assert "SGLang alone refuses --dcp-size > 1 for HY V4, --mla-sm120 lifts that refusal" in out
+    assert "SGLang alone refuses --dcp-size > 1 for HY V4 (no single owner of a sink); --mla-sm120 lifts it" in out
 
 
 @pytest.mark.parametrize("extra,given,fix", [

@@ -22,7 +22,7 @@ import pytest
 import torch
 from gloo_ranks import rank_result
 from model_configs import write_model
-from vllm_dcp import Case, _problem, expected, owned, run_ranks
+from vllm_dcp import Case, _problem, expected, own_sinks, owned, run_ranks
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound, measure
@@ -70,7 +70,7 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
     from mla_sm120_plugin.context import kv_layout
     from mla_sm120_plugin.engines import installed_release, lookup
 
-    refused = lookup("vllm", installed_release("vllm")).dcp_layouts_refused.get(kv_layout(case.kv))
+    refused = lookup("vllm", installed_release("vllm")).dcp.layouts_refused.get(kv_layout(case.kv))
     if refused:  # vLLM 0.34's config validator: the plan refuses what vLLM itself does
         got = ranks[world][0][case.name]
         assert isinstance(got, str) and "not supported with decode context parallelism" in got, got
@@ -84,8 +84,9 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         assert got["out"].shape == (q.shape[0], case.heads * world, 512)
         assert got["decision"] == (case.prefill_kernel, case.decode_kernel)
         assert got["num_decode_tokens"] == 2  # the two 1-token requests
-        # The rank's partial: its ids only, the sinks (every head's) on the first rank only.
-        part, part_lse = expected(case, rows64, q, logical, sinks if rank == 0 else None, got["scale"],
+        # The rank's partial: its ids only, its own heads' sinks only (the one rule: every rank counts its
+        # own heads' sinks, -inf for the others').
+        part, part_lse = expected(case, rows64, q, logical, own_sinks(sinks, world, rank), got["scale"],
                                   keep=lambda pos: owned(pos, world, case.interleave, rank))
         assert not EXACT_CLASS_BOUND.violations(measure(got["out"], part)), (rank, measure(got["out"], part))
         finite = torch.isfinite(part_lse)

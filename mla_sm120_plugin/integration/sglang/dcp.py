@@ -1,4 +1,4 @@
-"""Decode context parallelism under SGLang 0.5.23 (``--dcp-size N``): each rank's share of a DSA call.
+"""Decode context parallelism under SGLang 0.5.23 (``--dcp-size N``): SGLang's pieces, translated for the home.
 
 SGLang shards a DSA cache by slot (rank ``slot % N`` keeps token ``slot`` at its own ``slot // N``);
 its indexer cache is replicated, so every rank picks the same top-k. Under DCP its model gathers the
@@ -7,28 +7,27 @@ DCP group's query heads (rank order), every DSA call (prefill, decode, target-ve
 merge the ranks by their LSE and scatter the heads back. SGLang does this only through TRT-LLM's
 kernels (SM100); with ``--mla-sm120`` the plugin's kernel for the phase serves it:
 
-- :func:`rank_share` (from :func:`.dsa.around_call`): SGLang's own ``localize_dcp_page_table`` turns
-  the call's slots into this rank's (owned first, -1 after, and their counts; cached across the
-  layers that share a top-k, as SGLang's own path does), the kernel returns its LSE, and the LSE is
-  handed over in the base SGLang's merge reads for the ``dsa`` backend (2).
-- Learned sinks (HY V4): a sink is one more term of its head's softmax denominator and the merge adds
-  the ranks' terms, so exactly one rank may apply it. Each rank applies the sinks of its own heads:
-  the gathered heads are in rank order, so they are the slice ``rank x heads`` of the call and the
-  sink parameter the forward hands over (``attn_sink``, [heads] a rank) is theirs; no gather.
+- :func:`rank_share` (from :func:`.dsa.around_call`): reads SGLang's DCP size and rank off its backend,
+  turns the call's slots into this rank's with SGLang's own ``localize_dcp_page_table`` (owned first,
+  -1 after, and their counts; cached across the layers that share a top-k, as SGLang's own path does),
+  checks once that SGLang's merge reads the LSE base the plan proved (``is_mla_dcp_lse_base_on_e``),
+  and hands the call to the one home, :func:`mla_sm120_plugin.dispatch.dcp.rank_share` (the sink rule,
+  the LSE asked of the kernel in that base).
 - :func:`around_model_overrides` (AROUND ``_invoke_provider``, the launcher): SGLang refuses HY V4
-  under DCP for want of that single owner; with the plugin enabled it runs SGLang's DeepSeek-family
-  declarations as for ``--dcp-size 1`` plus its DSA DCP declarations (and their refusals: HiSparse,
-  HiCache, PD disaggregation, ``--speculative-eagle-topk`` > 1) for the real size.
+  under DCP for want of a single owner of its sinks; with the plugin enabled it runs SGLang's
+  DeepSeek-family declarations as for ``--dcp-size 1`` plus its DSA DCP declarations (and their
+  refusals: HiSparse, HiCache, PD disaggregation, ``--speculative-eagle-topk`` > 1) for the real size.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...errors import KernelInputError, format_error
+from ...dispatch import dcp
+from ...engines import lookup
+from ...errors import UnsupportedConfiguration, format_error
 from .names import enabled
 
 PROVIDER = "sglang.srt.arg_groups.overrides._invoke_provider"
@@ -38,7 +37,6 @@ LOCALIZE = "sglang.srt.layers.attention.dsa.dsa_dcp.localize_dcp_page_table"
 LSE_BASE = "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla.is_mla_dcp_lse_base_on_e"
 BACKEND_NAME = "dsa"  # the attention backend SGLang's DSA backend is registered as (its merge's LSE base)
 SINK_ARCHS = ("HYV4ForCausalLM", "HYV4ForCausalLMNextN")  # SGLang refuses these under --dcp-size > 1
-LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -64,45 +62,40 @@ def _resolve(name: str) -> Any:
     return pkgutil.resolve_name(name)
 
 
+@functools.cache
+def _merge_base_checked() -> None:
+    """SGLang's merge reads the LSE base the plan proved (once a process).
+
+    :raises UnsupportedConfiguration: it does not (an SGLang whose DSA merge changed base).
+    """
+    engine = lookup("sglang")
+    on_e = bool(_resolve(LSE_BASE)(BACKEND_NAME))
+    if on_e != engine.dcp.lse_base_on_e:
+        raise UnsupportedConfiguration(format_error(
+            f"SGLang's is_mla_dcp_lse_base_on_e({BACKEND_NAME!r}) = {on_e}: its DCP merge reads another LSE base",
+            f"the base the plugin's plan and self-check use for {engine.versioned}: {engine.dcp.lse_base}",
+            "run the SGLang release the plugin supports, or --dcp-size 1"))
+
+
 def rank_share(call: Callable[..., Any], site: Site, q: Any, indices: Any, sink: Any) -> tuple[Any, Any]:
     """This rank's share of a DSA call under DCP, as SGLang's merge takes it.
 
-    :param call: the bound kernel, ``call(q, slots, topk_length, **kwargs) -> (out, lse)``: the
-        kernel for the phase on this rank's cache, LSE returned (natural log, sink-free).
+    :param call: the bound kernel on this rank's cache, ``call(q, slots, topk_length, **contract)``.
     :param site: SGLang's backend (``dcp_size``, ``dcp_rank``, ``_dcp_page_table_cache``,
         ``forward_metadata``), the layer (``layer_id``) and the forward's top-k ids.
     :param q: [T, H x N, D] bfloat16, the DCP group's heads gathered in rank order.
     :param indices: [T, K] int32 global slots, -1 padded (SGLang's page table for the call).
     :param sink: [H] float32 sink logits of this rank's heads (HY V4), or None.
-    :returns: (out [T, H x N, 512] bfloat16, lse [T, H x N] float32 in SGLang's base for the ``dsa``
-        backend; a row with no id this rank keeps: out 0, lse -inf, or the sink on its heads).
-    :raises KernelInputError: a sink that is not one a head of this rank.
+    :returns: (out [T, H x N, 512] bfloat16, lse [T, H x N] float32 in the base SGLang's merge reads;
+        a row with no id this rank keeps: out 0, lse -inf, or the sink on its own heads).
     """
-    import torch
-
-    backend, size = site.backend, site.size
-    rank = int(backend.dcp_rank)
+    _merge_base_checked()
+    backend = site.backend
+    rank = dcp.DcpRank.of(lookup("sglang"), site.size, backend.dcp_rank)
     local, counts = _resolve(LOCALIZE)(
         backend._dcp_page_table_cache, metadata=backend.forward_metadata, layer_id=site.layer.layer_id,
-        topk_indices=site.topk_indices, page_table=indices, dcp_size=size, dcp_rank=rank)
-    out, lse = call(q, local, counts, return_lse=True, lse_base="e")
-    if sink is not None:
-        heads = q.shape[1] // size
-        if tuple(sink.shape) != (heads,):
-            raise KernelInputError(format_error(
-                f"attn_sink of shape {tuple(sink.shape)} for a call of {q.shape[1]} heads at --dcp-size {size}",
-                f"[{heads}] float32: one sink a head of this rank (the call gathers {size} ranks' heads)",
-                "pass the layer's own sink parameter (SGLang's learnable_sink_param)"))
-        mine = slice(rank * heads, (rank + 1) * heads)
-        own = lse[:, mine]
-        with_sink = torch.logaddexp(own, sink.float()[None, :])
-        # The sink joins this rank's denominator: out x e^lse / (e^lse + e^sink); a row with nothing
-        # kept (lse -inf) stays 0 and reports the sink alone.
-        out[:, mine] = (out[:, mine].float() * torch.exp(own - with_sink)[:, :, None]).to(out.dtype)
-        lse[:, mine] = with_sink
-    if not _resolve(LSE_BASE)(BACKEND_NAME):
-        lse = lse * LOG2E
-    return out, lse
+        topk_indices=site.topk_indices, page_table=indices, dcp_size=rank.size, dcp_rank=rank.rank)
+    return dcp.rank_share(call, q, local, counts, rank=rank, sinks=sink)
 
 
 def around_model_overrides(original_fn: Callable[..., dict], fn: Callable[..., dict], server_args: Any, hf_config: Any,

@@ -79,7 +79,8 @@ INTERNALS: tuple[Internal, ...] = (
              "SGLang's own rule for which rank keeps a slot where (the one its DCP cache writer follows)",
              "a page table SGLang localizes before any DSA call site", _R, ("dcp: ._dcp_page_table_cache",)),
     Internal("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla.is_mla_dcp_lse_base_on_e",
-             "asks it for the dsa backend: the base SGLang's DCP merge reads the LSE in (2)",
+             "asks it once a process for the dsa backend: the base SGLang's DCP merge reads the LSE in (2), which "
+             "must be the base the plan's kernels are asked for and self-checked in (the engine fact)",
              "the merge's exp/log pair must match the LSE handed to it",
              "an LSE base the attention backend declares", _R),
     # --- the DeepSeek-V4 binding -------------------------------------------------------------------------

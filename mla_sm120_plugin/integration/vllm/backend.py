@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
 )
 
 from ...errors import KernelUnavailable, UnsupportedConfiguration, format_error
+from ...dispatch import dcp
 from ...dispatch.bound import bind_decision
 from ...rules import SERVED_SM_FAMILIES
 from ...engines import lookup
@@ -163,10 +164,10 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
     supports_dense_mha_prefill = False  # every token goes through forward_mqa
     supports_pcp = False
     # Decode context parallelism: every kernel the plan binds returns its LSE (KernelSpec.returns_lse;
-    # the plan refuses one that does not), in natural log, which is what vLLM's merge is told here.
+    # the plan refuses one that does not), asked in the base vLLM's merge is told here (the engine fact).
     supports_dcp = True
     can_return_lse_for_decode = True
-    lse_base_on_e = True
+    lse_base_on_e = lookup("vllm").dcp.lse_base_on_e
     # Speculative rows under DCP with an interleave > 1: each row's candidates are explicit ids from
     # the indexer, filtered per row by owner; no kernel derives a causal bound from rank-local lengths.
     supports_mtp_with_cp_non_trivial_interleave_size = True
@@ -176,10 +177,6 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         # and loads the weights into it later, so the parameter itself is kept, never a copy.
         super().__init__(*args, **kwargs)
         self._mla_sm120_sinks = _checked_sinks(sinks, self.num_heads)
-        # Under DCP the call's heads are the DCP group's: the sinks the kernel applies are gathered
-        # the same way once the weights are in (process_weights_after_loading).
-        self._mla_sm120_call_sinks: torch.Tensor | None = self._mla_sm120_sinks if self.dcp_world_size == 1 else None
-        self._mla_sm120_sinks_gathered = False
         vllm_config = current_vllm_config()
         if vllm_config is None:
             raise UnsupportedConfiguration(
@@ -205,30 +202,11 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
         reads the layer's own geometry."""
         return TOKEN_BYTES[lookup("vllm", release()).kv_layout(self.kv_cache_dtype, None, self.qk_rope_head_dim)]
 
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        super().process_weights_after_loading(act_dtype)
-        self.gather_sinks()
-
-    def gather_sinks(self) -> None:
-        """Under DCP, the sinks of every head a call sees, for the one rank that applies them.
-
-        A sink is one more term of a head's softmax denominator; vLLM's merge adds the ranks'
-        partial softmaxes, so exactly one rank (DCP rank 0) applies it and folds it into the LSE it
-        returns; the others apply none. The heads of a call are the DCP group's, gathered in group
-        order (``MLADCPManager.query_gather``), so the sinks are gathered by the same group.
-        """
-        if self._mla_sm120_sinks is None or self.dcp_world_size == 1:
-            return
-        from vllm.distributed.parallel_state import get_dcp_group
-
-        gathered = get_dcp_group().all_gather(self._mla_sm120_sinks.detach().contiguous(), dim=0)
-        self._mla_sm120_call_sinks = gathered if self.dcp_rank == 0 else None
-        self._mla_sm120_sinks_gathered = True
-
     def _run(self, phase: str, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
-             topk_length: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run ``phase``'s kernel into ``out``; under DCP return its LSE [T, H] fp32, natural log, with
-        this rank's sink term (if it applies the sinks) folded in."""
+             **contract: Any) -> torch.Tensor | None:
+        """Run ``phase``'s kernel into ``out`` with the contract's keyword arguments (the layer's sinks
+        without DCP; a rank's share's under DCP: :func:`~mla_sm120_plugin.dispatch.dcp.rank_share`);
+        the LSE [T, H] when asked for, else None."""
         kernel = self._mla_sm120_kernels[phase]
         if not kernel.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise KernelUnavailable(
@@ -238,18 +216,9 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                     "run with --enforce-eager, or install a graph-safe kernel (mla-sm120 doctor)",
                 )
             )
-        sinks = self._mla_sm120_call_sinks
-        sink = {} if sinks is None else {"sink": sinks}
-        if self.dcp_world_size == 1:
-            kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
-                        scale_format=self.decision.scale_format, **sink)
-            return None
-        _, lse = kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
-                             scale_format=self.decision.scale_format, topk_length=topk_length, return_lse=True,
-                             lse_base="e", **sink)
-        # The kernel's LSE leaves the sink out (out carries it: out *= e^lse / (e^lse + e^sink)); the
-        # merge weighs this rank by e^lse, so the sink's term joins the LSE here, on this rank only.
-        return lse if sinks is None else torch.logaddexp(lse, sinks.to(lse.dtype)[None, :])
+        result = kernel.call(q, pages, slots, sm_scale=self.scale, kv_layout=self.kv_layout, out=out,
+                             scale_format=self.decision.scale_format, **contract)
+        return result[1] if contract.get("return_lse") else None
 
     def forward_mqa(self, q: Any, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
                     layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -288,20 +257,21 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
                 block_size=attn_metadata.block_size, block_stride_rows=stride_rows,
             )
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]
-        self._run_phases(q, page_view(kv_rows), slots, out, attn_metadata.num_decode_tokens)
+        sinks = {} if self._mla_sm120_sinks is None else {"sink": self._mla_sm120_sinks}
+        self._run_phases(q, page_view(kv_rows), slots, out, attn_metadata.num_decode_tokens, **sinks)
         return out, None
 
     def _run_phases(self, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, nd: int,
-                    topk_length: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Each phase's kernel on its rows (``nd`` decode rows first, as vLLM reorders the batch); under DCP
-        the rows' LSE [N, H], else None."""
+                    topk_length: torch.Tensor | None = None, **contract: Any) -> torch.Tensor | None:
+        """Each phase's kernel on its rows (``nd`` decode rows first, as vLLM reorders the batch), with the
+        contract's keyword arguments; the rows' LSE [N, H] where one is asked for, else None."""
         n = q.shape[0]
         if self._mla_sm120_single_kernel or nd == n or nd == 0:
             phase = DECODE if self._mla_sm120_single_kernel or nd == n else PREFILL
-            return self._run(phase, q, pages, slots, out, topk_length)
+            return self._run(phase, q, pages, slots, out, topk_length=topk_length, **contract)
         head, tail = (None, None) if topk_length is None else (topk_length[:nd], topk_length[nd:])
-        lse = (self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd], head),
-               self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:], tail))
+        lse = (self._run(DECODE, q[:nd], pages, slots[:nd], out[:nd], topk_length=head, **contract),
+               self._run(PREFILL, q[nd:], pages, slots[nd:], out[nd:], topk_length=tail, **contract))
         return None if lse[0] is None else torch.cat(lse)
 
     def _forward_dcp(self, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,14 +280,9 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
 
         q: [N, H, D] bfloat16, H the DCP group's heads (gathered by vLLM's MLADCPManager)
         kv_cache: this rank's shard of the cache (the tokens it owns), as in :meth:`forward_mqa`
-        returns: (out [N, H, 512] in q's dtype, lse [N, H] float32, natural log; a row with no owned
-            id: out 0, lse -inf, or the sink on the rank that applies it)
+        returns: (out [N, H, 512] in q's dtype, lse [N, H] float32 in the base the impl declares; a row
+            with no owned id: out 0, lse -inf, or the sink on the heads whose sinks this rank counts)
         """
-        if self._mla_sm120_sinks is not None and not self._mla_sm120_sinks_gathered:
-            raise UnsupportedConfiguration(format_error(
-                "a DCP attention call before the layer's sinks were gathered over the DCP group",
-                "vLLM's process_weights_after_loading before the first forward",
-                "load the model through vLLM's loader (it calls process_weights_after_loading)"))
         n = q.shape[0]
         logical = self.topk_indices_buffer[:n]  # [N, topk] positions within each request, -1 padded
         # vLLM's owner filter takes rows a multiple of 128 wide: pad with -1 (no candidate).
@@ -335,7 +300,11 @@ class MlaSm120Impl(SparseMLACommonImpl[FlashInferMLASparseMetadata]):
             return_valid_counts=True,
         )
         out = q.new_empty((n, q.shape[1], KV_LORA_RANK))  # [N, H, 512]: the gathered heads
-        return out, self._run_phases(q, page_view(kv_rows), slots, out, attn_metadata.num_decode_tokens, counts)
+        pages, nd = page_view(kv_rows), attn_metadata.num_decode_tokens
+        rank = dcp.DcpRank.of(lookup("vllm", release()), self.dcp_world_size, self.dcp_rank)
+        return out, dcp.rank_share(lambda q_, slots_, **contract: self._run_phases(q_, pages, slots_, out, nd,
+                                                                                   **contract),
+                                   q, slots, counts, rank=rank, sinks=self._mla_sm120_sinks)
 
 
 def _checked_sinks(sinks: Any, num_heads: int) -> torch.Tensor | None:

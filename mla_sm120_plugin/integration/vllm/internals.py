@@ -101,9 +101,13 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonImpl",
              "subclasses it: its constructor and the shared topk_indices_buffer (logical positions, -1 padded). vLLM "
              "builds the impl under set_default_torch_dtype and torch.device of the load: the self-check makes its "
-             "tensors with explicit devices and dtypes",
+             "tensors with explicit devices and dtypes. Under DCP (AttentionImpl's contract): sets supports_dcp, "
+             "can_return_lse_for_decode and lse_base_on_e (the engine fact's base), reads dcp_world_size / dcp_rank, "
+             "and forward_mqa returns (out, lse) (the plugin's rank share: each rank counts its own heads' sinks)",
              "the indexer writes that buffer; the impl reads it. Its KV dtype canonicalisation is keyed on in-tree "
-             "backend names and never fires for CUSTOM (fp8 / fp8_e4m3 are refused, naming fp8_ds_mla)",
+             "backend names and never fires for CUSTOM (fp8 / fp8_e4m3 are refused, naming fp8_ds_mla). vLLM's "
+             "selector keeps a backend under DCP only if its impl says so; vLLM gathers q's heads over the DCP group "
+             "and merges the ranks' outputs by the LSE in the declared base (cp_lse_ag_out_rs / all-to-all)",
              "a sparse-MLA impl API for plugin kernels", _R,
              changed={_V34: "MLAAttention sizes fp8_ds_mla rows by impl.get_fp8_ds_mla_row_bytes(), which the plugin's impl "
                             "answers per layout (656; 528 rope-less; 352 nvfp4); supports_shardq (False here); q may "
@@ -129,15 +133,6 @@ INTERNALS: tuple[Internal, ...] = (
              "counts; the top-k row is padded with -1 to its 128-wide tile first",
              "each rank holds 1/DCP of the cache; vLLM's own sparse-MLA base filters the same way",
              "nothing: vLLM's own DCP filter", _R, changed=_SAME),
-    Internal("vllm.v1.attention.backend.AttentionImpl",
-             "sets supports_dcp, can_return_lse_for_decode and lse_base_on_e (natural log) on the impl and reads "
-             "dcp_world_size / dcp_rank; forward_mqa returns (out, lse) under DCP; process_weights_after_loading "
-             "(super()'s first) gathers HY V4's sinks over the DCP group for the one rank that applies them",
-             "vLLM's selector keeps a backend under DCP only if its impl says so; vLLM gathers q's heads over the DCP "
-             "group and merges the ranks' outputs by the LSE in the declared base (cp_lse_ag_out_rs / all-to-all)",
-             "nothing: vLLM's DCP contract for attention impls", _R,
-             ("backend: super().process_weights_after_loading", "vllm.distributed.parallel_state.get_dcp_group"),
-             changed=_SAME),
     # --- the DeepSeek-V4 binding ------------------------------------------------------------------------------
     Internal(f"{_V4}.nvidia.model._select_dsv4_attn_cls",
              "wraps it (V4's and V4.1's nvidia.model modules, when vLLM imports them: an import hook installed by "
