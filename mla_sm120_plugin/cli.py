@@ -314,9 +314,10 @@ def _doctor(args: argparse.Namespace) -> int:
     if checks is not None:
         out(f"self-check ({checks[0]['heads'] if checks else '-'} heads, top-k {checks[0]['topk'] if checks else '-'}, "
               f"on {checks[0]['device'] if checks else '-'}; against float64 over the dequantized rows; "
-              "max error as a fraction of the output's largest value):")
+              "max error as a fraction of the output's largest value; LSE: the largest error of the LSE a "
+              "decode-context-parallel merge reads, in nats, where the row is checked as a DCP rank calls it):")
         out(f"  {'kernel':<24} {'phase':<8} {'cache':<22} {'ran':<4} {'cos_diff':>9} {'relRMS':>8} {'max error':>10} "
-            f"{'time':>8}  result")
+            f"{'LSE':>8} {'time':>8}  result")
 
         def num(value: float | None, fmt: str) -> str:
             return "-" if value is None else format(value, fmt)
@@ -325,7 +326,8 @@ def _doctor(args: argparse.Namespace) -> int:
             cache = c["kv_layout"] + (f"/{c['scale_format']}" if c["scale_format"] else "")
             out(f"  {c['kernel']:<24} {c['phase']:<8} {cache:<22} {'yes' if c['ran'] else 'no':<4} "
                 f"{num(c['cos_diff'], '.2e'):>9} {num(c['rel_rms'], '.3%'):>8} {num(c['max_error'], '.2e'):>10} "
-                f"{c['seconds']:>7.2f}s  {'ok' if c['passed'] else 'FAILED: ' + c['error']}")
+                f"{num(c.get('lse_error'), '.1e'):>8} {c['seconds']:>7.2f}s  "
+                f"{'ok' if c['passed'] else 'FAILED: ' + c['error']}")
         if not checks:
             out("  no kernel can run on this machine")
     _emit("\n".join(lines))

@@ -111,6 +111,10 @@ def test_doctor_self_check_passes_the_builtin_kernels_here():
         for kv_layout in layout.KV_LAYOUTS:
             assert (kernel, kv_layout) in seen, checks
     assert all(c["ran"] and c["max_error"] <= c["tolerance"] for c in checks)
+    # A kernel that returns its LSE is checked on decode as a DCP rank calls it: its LSE error is shown.
+    lse_rows = [c for c in checks if c["kernel"] in (TRITON, TORCH) and c["phase"] == "decode"]
+    assert lse_rows and all(c["lse"] == "e" and 0 <= c["lse_error"] <= c["lse_bound"] for c in lse_rows), lse_rows
+    assert all(c["lse_error"] is None for c in checks if c["phase"] == "prefill")
 
 
 def test_doctor_self_check_exits_2_on_a_wrong_third_party_kernel(noscale_plugin_path):
