@@ -56,8 +56,9 @@ class Case:
     topk: int = 64
     q_lens: tuple[int, ...] = (1, 1, 1, 1)
     seq_lens: tuple[int, ...] = (150, 9, 70, 40)
-    # Rows rewritten: "padded" (no id), "first_rank" (only slots rank 0 owns: the others own none of its ids).
-    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank")))
+    # Rows rewritten: "padded" (no id), "first_rank" (only slots rank 0 owns: the others own none of its ids),
+    # "others" (no slot rank 0 owns).
+    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank"), (3, "others")))
 
     @property
     def sinks(self) -> bool:
@@ -93,9 +94,9 @@ def _problem(case: Case, world: int):
     for r, kind in case.special:
         t = starts[r]
         topk[t] = -1
-        if kind == "first_rank":
+        if kind in ("first_rank", "others"):
             visible = rows[t][1]
-            mine = [p for p in range(visible) if int(tables[r][p]) % world == 0][: case.topk]
+            mine = [p for p in range(visible) if (int(tables[r][p]) % world == 0) == (kind == "first_rank")][: case.topk]
             topk[t, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
     slots = transform_index_page_table_decode(page_table, topk, page_size=1)  # SGLang's: positions -> slots
     q = torch.randn(n, case.heads * world, HEAD_DIM, generator=gen).to(torch.bfloat16)

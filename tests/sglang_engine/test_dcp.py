@@ -10,7 +10,8 @@ partials; so ``MERGED`` is the exact class widened by that rounding (a sink coun
 read from a rank's own cache, or an LSE in the wrong base fail every case they touch).
 
 Cases: decode rows, target-verify rows (1 + gamma a request, ``--speculative-eagle-topk 1``), prefill rows
-(causal), a padded row (no id), a row whose ids all sit on rank 0 (the others own none), fp8 (SGLang's
+(causal), a padded row (no id), a row whose ids all sit on rank 0 (the others own none, their heads' sinks
+counted by ranks that own nothing of it), a row rank 0 owns nothing of, fp8 (SGLang's
 ``quantize_k_cache``) and bf16 caches (SGLang's DCP writer), both merges (all-gather + reduce-scatter, SGLang's
 default, and all-to-all), HY V4's finite sinks, each Triton kernel and the torch reference (FlashInfer's needs
 an SM12x GPU).

@@ -10,7 +10,8 @@ relRMS with float64-exact LSEs), so ``MERGED`` is cos_diff <= 2e-5, relRMS <= 0.
 sink counted twice or a rank's heads mixed up are 5-100 %).
 
 Cases: decode rows of 1 and of a 3-row request (1 + 2 draft tokens, causal ids), a padded row (no id), a
-row whose ids all sit on the first rank (the others own none), interleave 1 and > 1, both merge backends
+row whose ids all sit on the first rank (the others own none: HY V4's other heads' sinks are counted by a rank
+that owns nothing of it), a row the first rank owns nothing of, interleave 1 and > 1, both merge backends
 (all-to-all, and all-gather + reduce-scatter: vLLM's default), fp8_ds_mla, nvfp4_ds_mla, bf16, the
 rope-less GLM-5.3-Flash cache, HY V4's finite sinks, and each kernel that runs on a CPU (FlashInfer's needs
 an SM12x GPU: the device script runs it).
