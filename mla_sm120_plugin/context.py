@@ -113,8 +113,7 @@ def build_context(
     return SelectionContext(
         model_arch=facts.arch,
         model_name=facts.name,
-        kv_cache_dtype=kv_layout(kv_cache_dtype, limits.engine, device.sm_family, facts.qk_rope_head_dim, facts.sinks,
-                                 limits.release),
+        kv_cache_dtype=families.of(facts).kv_layout(limits.facts, kv_cache_dtype, device, facts),
         kv_cache_dtype_given=None if kv_cache_dtype is None else str(kv_cache_dtype),
         engine=limits.engine,
         kv_lora_rank=facts.kv_lora_rank,

@@ -1,8 +1,8 @@
 """One plan shape for every model: layer kind -> the decision for its call.
 
 :func:`plan` asks the model's family (:mod:`mla_sm120_plugin.families`) for one selection context
-per layer kind, shaped as the engine will make the call (a DSA model: one kind; DeepSeek-V4: the
-window and each compressed kind), and decides every context with the same constraint matrix
+per layer kind, shaped as the engine will make the call (a one-call family: one kind; a family with
+several call shapes: one a kind its model has), and decides every context with the same constraint matrix
 (:func:`mla_sm120_plugin.selection.select`): kernels, envelopes, probes, the plugin config's forced
 kernels and precision. ``mla-sm120 check`` and both engine adapters call it; :mod:`.report` renders
 what it returns. Pure Python.
@@ -35,7 +35,7 @@ class Plan:
     :param tensor_parallel_size: ranks the heads are split over.
     :param family: the model family (a key of :data:`mla_sm120_plugin.families.FAMILIES`).
     :param decisions: layer kind -> the :class:`~mla_sm120_plugin.types.Decision` for its call (a DSA
-        model: one kind, ``"dsa"``; DeepSeek-V4: one a layer kind).
+        model: one kind, ``"dsa"``; a family with several call shapes: one a layer kind).
     :param kv_cache: the cache layout (or record) every layer kind reads.
     :param notes: what is worth a line beside the table (the decisions' own notes, then the family's).
     :param release: the engine release planned for.
@@ -75,8 +75,9 @@ class Plan:
 
 def check_kv_cache_dtype(facts: ModelFacts, engine: Engine, given: str | None) -> str | None:
     """The ``--kv-cache-dtype`` ``mla-sm120 check`` plans: ``given``, else the fp8 cache a deployment on
-    SM12x uses for this model's family (a DSA model: the engine's fp8 DSA layout; DeepSeek-V4: auto),
-    or for a model with learned sinks the one layout the engine accepts for it, where it has one.
+    SM12x uses for this model's family (:meth:`Family.check_kv_cache_dtype`: a DSA model's is the engine's
+    fp8 DSA layout), or for a model with learned sinks the one layout the engine accepts for it, where it
+    has one.
 
     :param engine: the engine's facts at the planned release.
     """
@@ -106,7 +107,8 @@ def plan(
     :param device: the device planned for.
     :param kv_cache_dtype: the engine's ``--kv-cache-dtype`` as the user wrote it (None: auto).
     :param limits: the engine's TP size, call-size bounds and CUDA-graph setting.
-    :param speculative_tokens: draft tokens a step (vLLM's DSpark widens DeepSeek-V4 decode window rows).
+    :param speculative_tokens: draft tokens a step (a family may shape its calls by them: vLLM's DSpark
+        widens a window's decode rows).
     :param dspark: the draft is DSpark (non-causal window rows).
     :param registry: the plugin registry; the process-wide one by default.
     :returns: the plan, one decision per layer kind.

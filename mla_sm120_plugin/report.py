@@ -3,8 +3,8 @@ and the cache capacity.
 
 :func:`explain`, :func:`to_dict` and :func:`log_line` take any :class:`~mla_sm120_plugin.plan.Plan`,
 whatever its family (:mod:`mla_sm120_plugin.families`): a plan whose family has no rows of its own (a
-DSA model's one layer kind) is its decision's table; otherwise the family's rows (a DeepSeek-V4 plan: a
-row per (layer kind, phase), its record and capacity), the notes, then its first kind in full. The JSON
+DSA model's one layer kind) is its decision's table; otherwise the family's rows (a family with several
+call shapes: a row per (layer kind, phase), its record and capacity), the notes, then its first kind in full. The JSON
 has one schema for every family (:func:`to_dict`). Each decision's own table (:func:`explain_decision`)
 and line (:func:`decision_line`) are the same everywhere they appear. Pure Python.
 """
@@ -24,8 +24,8 @@ from .types import EXACT, PHASES, Decision, KernelSpec, Rejection, SelectionCont
 def capacity(ctx: SelectionContext) -> dict[str, Any]:
     """One decision's cache capacity, as its family counts it: ``{"scope", "layouts": {name:
     {"token_bytes", "tokens_per_gib"}}, "ratio_vs": {name: this layout's tokens / that one's}}`` (a DSA
-    context: its layout beside the engine's fp8 and bf16 layouts at the planned release; a DeepSeek-V4
-    layer kind: its record alone)."""
+    context: its layout beside the engine's fp8 and bf16 layouts at the planned release; the family says
+    what it compares)."""
     return families.get(ctx.family).capacity(ctx)
 
 

@@ -119,7 +119,7 @@ def _candidates(
     probes_skipped = False
     for spec in sorted(registry.kernels.values(), key=lambda s: -s.priority):
         if not _same_family(spec, ctx):
-            continue  # a DSA kernel is no candidate for a DeepSeek-V4 layer, nor the reverse
+            continue  # a kernel reads one family's caches: no candidate for another family's layer
         reasons = envelope_reasons(spec, ctx, phase, profile)
         if not reasons:
             if ctx.device.is_planned:

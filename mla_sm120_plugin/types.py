@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .errors import PluginError, format_error
 from .kernels.accuracy import EXACT_BAR, AccuracyBound
+from .kernels import CACHE_LAYOUTS
 from .kernels.dsa.layout import KV_LAYOUTS, KV_LORA_RANK, ROPE_DIM, SCALE_FORMATS
-from .kernels.dsv4.layout import RECORDS as DSV4_RECORDS
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -49,7 +49,7 @@ ENGINE_NATIVE_IMPLS = (
 VENDORS = ("nvidia", "amd", "cpu")
 
 # The model family a profile or a context names when it names none: DSA, the one-latent-cache family
-# every third-party profile before DeepSeek-V4 meant (mla_sm120_plugin.families holds the table).
+# every third-party profile written before there were families meant (mla_sm120_plugin.families holds the table).
 DEFAULT_FAMILY = "dsa"
 # A key no config.json has: a built-in model config (ModelProfile.model_configs) that lists each
 # layer kind once because the model's per-layer list is in its own config.json only.
@@ -164,16 +164,15 @@ class ModelProfile:
         picks to token slots plus a tail, so the ids a kernel gets are wider than ``index_topk``.
     :param kv_scale_format: ``"pow2"`` or ``"arbitrary"``: how the model writes fp8 scales.
     :param aliases: other names the CLI accepts (HF repo ids).
-    :param family: the model family's name, a key of :data:`mla_sm120_plugin.families.FAMILIES`:
-        ``"dsa"`` (one latent cache, top-k slots: GLM-5, DeepSeek-V3.2, GLM-5.3-Flash) or ``"dsv4"``
-        (DeepSeek-V4: a window cache and a compressed cache per layer, per-head sinks); the plugin
-        manager refuses a name no family has.
+    :param family: the model family's name, a key of :data:`mla_sm120_plugin.families.FAMILIES` (its
+        table says what each family is; ``"dsa"``, one latent cache and top-k slots, by default); the
+        plugin manager refuses a name no family has.
     :param sinks: the model's attention carries a learned sink logit per head (HY V4's
         ``learnable_sink``): only a kernel that applies sinks (:attr:`KernelSpec.sinks`) serves it.
-    :param model_configs: named model configs (``"deepseek-v4-pro"`` -> the config.json keys that
-        differ from the architecture's defaults) that the CLI accepts as ``--model``: several models
-        can share one architecture (V4-Flash and V4-Pro), and each is read by the same config reader
-        as a config.json on disk.
+    :param model_configs: named model configs (a model's name -> the config.json keys that differ from
+        the architecture's defaults) that the CLI accepts as ``--model``: several models can share one
+        architecture (a Flash and a Pro size), and each is read by the same config reader as a
+        config.json on disk.
     """
 
     name: str
@@ -256,8 +255,8 @@ class KernelSpec:
     :param probe: reasons it cannot run on a device; run once per device and cached.
     :param envelope: extra per-phase shape checks.
     :param graph_safe: safe to capture in a CUDA graph (no host sync, no allocation).
-    :param sinks: applies a per-head sink logit in both phases (the entry's ``sink=``, or
-        ``sinks=`` on the DeepSeek-V4 surface); a model with sinks is served only by such kernels.
+    :param sinks: applies a per-head sink logit in both phases (the entry's ``sink=``, or ``sinks=``
+        on a two-cache family's call surface); a model with sinks is served only by such kernels.
     :param returns_lse: the entry returns the softmax LSE with its output (``return_lse=True``,
         ``lse_base``); decode context parallelism merges the ranks' partial outputs by it, so only
         such kernels serve a context with ``decode_context_parallel_size > 1``.
@@ -307,7 +306,7 @@ class KernelSpec:
             raise PluginError(
                 format_error(f"name={self.name!r}", "lower-case [a-z0-9_.-], starting with a letter", "rename the kernel")
             )
-        for attr, allowed in (("phases", PHASES), ("kv_cache_dtypes", KV_LAYOUTS + tuple(DSV4_RECORDS)),
+        for attr, allowed in (("phases", PHASES), ("kv_cache_dtypes", CACHE_LAYOUTS),
                               ("vendors", VENDORS)):
             items = _frozenset_of_str(getattr(self, attr), attr, owner)
             unknown = sorted(items - set(allowed))
@@ -388,9 +387,9 @@ class SelectionContext:
     :param sinks: the model's attention carries a learned sink logit per head (HY V4).
     :param family: the model family decided for (a key of :data:`mla_sm120_plugin.families.FAMILIES`):
         which kernels are candidates and which rules apply.
-    :param call: the layer kind's call as the family shapes it (DeepSeek-V4:
-        :class:`mla_sm120_plugin.families.dsv4.Dsv4Call`, one context per layer kind); None for a family
-        with one call shape (DSA).
+    :param call: the layer kind's call as the family shapes it (a family with several call shapes gives
+        its own call object, one context per layer kind: :attr:`Family.has_call`); None for a family with
+        one call shape.
     :param release: the engine's release (a key of :data:`mla_sm120_plugin.engines.RELEASES` under
         ``engine``); None: its oldest supported one.
     :param decode_context_parallel_size: ranks the cache is sharded over by token (decode context

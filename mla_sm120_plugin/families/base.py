@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from ..engines import Engine
-from ..types import DcpService, Decision, ModelProfile, Refusal, SelectionContext
+from ..types import DcpService, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
 
 # ``ModelFacts`` (modelinfo), ``EngineLimits`` (context) and ``Plan`` (plan) sit on the floors above and
 # reach a family as arguments, read by attribute: named in annotations only, never imported.
@@ -70,6 +70,11 @@ class Family(Protocol):
 
         :raises UnsupportedConfiguration: what no layer kind can serve (device, TP size, KV dtype).
         """
+
+    def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: ModelFacts) -> str:
+        """The cache layout (or record) the engine's ``--kv-cache-dtype`` ``value`` (None: auto) gives this
+        family's model on ``device``: the one place a context's layout is derived. A value the family has
+        no layout for passes through, for its rules to refuse."""
 
     def check_kv_cache_dtype(self, engine: Engine) -> str | None:
         """What ``mla-sm120 check`` plans without ``--kv-cache-dtype`` (None: the engine's auto)."""

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 from ..engines import Engine, for_context, others
 from ..kernels.dsa.layout import BF16, FP8_DS_MLA, KV_LAYOUTS, KV_LORA_RANK, LAYOUTS, ROPE_DIM
 from ..rules import device_refusal, feature_refusals
-from ..types import DcpService, Decision, ModelProfile, Refusal, SelectionContext
+from ..types import DcpService, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
 from .base import Shaped
 
 NAME = "dsa"
@@ -145,6 +145,10 @@ class DsaFamily:
         """The one context of a DSA model: ``base`` itself (``speculative_tokens`` and ``dspark`` shape
         nothing here: the engine's decode bound in ``limits`` carries the draft tokens)."""
         return Shaped(contexts={KIND: base}, kv_cache=base.kv_cache_dtype)
+
+    def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: Any) -> str:
+        """The engine's spelling read for this model's rope width and sinks (:meth:`Engine.kv_layout`)."""
+        return engine.kv_layout(value, device.sm_family, facts.qk_rope_head_dim, facts.sinks)
 
     def check_kv_cache_dtype(self, engine: Engine) -> str:
         """The engine's fp8 DSA cache."""

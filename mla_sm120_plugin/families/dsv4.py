@@ -147,18 +147,28 @@ def nvfp4_spellings_elsewhere(engine: Engine) -> tuple[str, ...]:
     return tuple(s for other in others(engine) for s in other.dsv4.nvfp4_spellings)
 
 
-def _kv_record(engine: Engine, kv_cache_dtype: str | None, facts: Any, device: DeviceInfo, dspark: bool) -> str:
-    """The record ``--kv-cache-dtype`` names for this model in ``engine``.
+def kv_record(engine: Engine, kv_cache_dtype: str | None) -> str:
+    """The record ``--kv-cache-dtype`` names in ``engine`` (None: auto); another spelling passes through
+    (:func:`_check_record` refuses it)."""
+    spelled = "auto" if kv_cache_dtype is None else str(kv_cache_dtype)
+    if spelled in engine.dsv4.kv_spellings:
+        return FP8_DSV4
+    return NVFP4_DSV4 if spelled in engine.dsv4.nvfp4_spellings else spelled
+
+
+def _check_record(engine: Engine, record: str, kv_cache_dtype: str | None, facts: Any, device: DeviceInfo,
+                  dspark: bool) -> None:
+    """That the plugin writes ``record`` (what ``--kv-cache-dtype`` named) for this model in ``engine``.
 
     :raises UnsupportedConfiguration: the engine refuses the spelling, or the plugin writes no such record here.
     """
     rules = engine.dsv4
     spelled = "auto" if kv_cache_dtype is None else str(kv_cache_dtype)
-    if spelled in rules.kv_spellings:
-        return FP8_DSV4
+    if record == FP8_DSV4:
+        return
     geometry = facts.dsv4
     assert geometry is not None  # layer_calls refused anything else
-    if spelled in rules.nvfp4_spellings:
+    if record == NVFP4_DSV4:
         why = None
         if geometry.version != "v4":
             why = (f"{engine.label}'s {spelled} for DeepSeek-V4.1 is SM100's record pair (an MXFP8 window record and "
@@ -168,7 +178,7 @@ def _kv_record(engine: Engine, kv_cache_dtype: str | None, facts: Any, device: D
             why = (f"{engine.label}'s DSpark draft writes its window rows with its own fp8 insert, which the plugin's "
                    "NVFP4 writers do not replace")
         if why is None:
-            return NVFP4_DSV4
+            return
         raise UnsupportedConfiguration(format_error(
             f"model_arch={facts.arch}, kv_cache_dtype={spelled}: {why}",
             f"the {NVFP4_RECORD.token_bytes}-byte NVFP4 record for DeepSeek-V4 (V4-Flash, V4-Pro) with a causal "
@@ -225,9 +235,9 @@ def _shape(base: SelectionContext, facts: Any, kv_cache_dtype: str | None, limit
                         dspark=dspark, release=limits.release)
     _device_refusal(facts, device, engine, kv_cache_dtype)
     _tp_refusal(facts, limits.tensor_parallel_size, device, engine)
-    record = _kv_record(engine, kv_cache_dtype, facts, device, dspark)
-    contexts = {call.kind: dataclasses.replace(base, kv_cache_dtype=record, kv_cache_dtype_given=kv_cache_dtype,
-                                               index_topk=facts.index_topk, call=call) for call in calls}
+    record = base.kv_cache_dtype  # the shared builder's, from this family's kv_layout
+    _check_record(engine, record, kv_cache_dtype, facts, device, dspark)
+    contexts = {call.kind: dataclasses.replace(base, call=call) for call in calls}
     notes = []
     if not facts.dsv4.layers_known:
         notes.append(f"{facts.name}: a built-in profile lists each layer kind the model has; the layer counts are "
@@ -310,6 +320,10 @@ class Dsv4Family:
         :raises UnsupportedConfiguration: the device, the TP size or the KV dtype cannot be served.
         """
         return _shape(base, facts, kv_cache_dtype, limits, speculative_tokens=speculative_tokens, dspark=dspark)
+
+    def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: Any) -> str:
+        """The record the engine's spelling names (:func:`kv_record`)."""
+        return kv_record(engine, value)
 
     def check_kv_cache_dtype(self, engine: Engine) -> None:
         """Auto: the fp8 record in both engines."""

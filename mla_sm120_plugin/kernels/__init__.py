@@ -27,3 +27,9 @@ them: :mod:`mla_sm120_plugin.dispatch` (the catalog of built-in kernels, binding
 
 Importing this package imports neither torch nor triton; each kernel module imports what it runs on.
 """
+
+from .dsa.layout import KV_LAYOUTS as _ONE_CACHE_LAYOUTS
+from .dsv4.layout import RECORDS as _TWO_CACHE_RECORDS
+
+# Every cache layout (or record) a kernel here reads, over every folder: what a kernel spec may name.
+CACHE_LAYOUTS: tuple[str, ...] = (*_ONE_CACHE_LAYOUTS, *_TWO_CACHE_RECORDS)

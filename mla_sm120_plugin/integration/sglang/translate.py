@@ -26,7 +26,7 @@ from ...device import from_capability
 from ...errors import ConfigError, UnsupportedConfiguration, format_error
 from ...hooks.manager import get_registry
 from ...modelinfo import ModelFacts, facts_from_hf_config
-from ...engines import lookup
+from ...engines import installed_release, lookup
 from ...plan import Plan, plan
 from ...types import DeviceInfo, SelectionContext
 from .names import ENABLE_ENV, FLAG, INLINE_CONFIG_ENV, LOGGER, PLAN_ENV
@@ -179,6 +179,7 @@ def engine_limits(view: Any, hf_config: Any = None) -> EngineLimits:
         cuda_graphs=not getattr(view, "disable_cuda_graph", False),
         features=_engine_features(view),
         engine="sglang",  # its kv dtype spellings and its cache writer's scale format
+        release=installed_release("sglang"),  # the facts of the release that runs (lookup refuses another)
     )
 
 

@@ -129,20 +129,8 @@ def select_attention_class(module: Any, original: Callable[[Any], type], vllm_co
     """
     if not opted_in(vllm_config):
         return original(vllm_config)
-    _refuse_context_parallel(vllm_config)
-    plan_for(vllm_config)
+    plan_for(vllm_config)  # prefill context parallelism is the plan's refusal (the "pcp" engine feature)
     return plugin_class(getattr(module, SM120_CLASS))
-
-
-def _refuse_context_parallel(vllm_config: Any) -> None:
-    from ...errors import UnsupportedConfiguration, format_error
-
-    pcp = getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1
-    if pcp > 1:
-        raise UnsupportedConfiguration(format_error(
-            f"--attention-backend CUSTOM with prefill_context_parallel_size={pcp} for DeepSeek-V4",
-            "prefill context parallelism 1 (the plugin's and FlashInfer's SM120 DeepSeek-V4 kernels see whole "
-            "requests)", "drop --prefill-context-parallel-size, or serve without --attention-backend CUSTOM"))
 
 
 def plan_for(vllm_config: Any) -> Any:
