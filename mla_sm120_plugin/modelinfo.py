@@ -8,86 +8,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from . import files
+from . import families, files
 from .errors import ConfigError, UnsupportedConfiguration, format_error
+from .hfconfig import (ABSENT as _ABSENT, MAX_HEAD_WIDTH, MAX_HEADS, MAX_INDEX_TOPK, MAX_LAYERS, bad_value as _bad_value,
+                       count as _count, flag as _flag, get as _get, is_int as _is_int, list_of as _list_of)
 from .hooks.manager import Registry
-from .families.dsv4 import NAME as DSV4_FAMILY
-from .types import DEFAULT_FAMILY, LAYER_COUNTS_UNKNOWN, ModelProfile
-
-# Bounds on what a config may claim; above them the value is a typo or a corrupted file, not a model.
-# The largest MLA models have 128 heads (DeepSeek-V3/V3.2; GLM-5 has 64): 1024 leaves 8x headroom.
-MAX_HEADS = 1024
-# Known DSA models pick 2048 tokens per query, and a top-k above the context length selects nothing
-# more: 1 << 20 (1M tokens) is above any context served today, yet small enough that sizes derived
-# from it (top-k x 656 cache bytes per query) stay ordinary numbers.
-MAX_INDEX_TOPK = 1 << 20
-
-
-# Bounds on the MLA widths a config may claim (the DSA models have 512/64/128-192/128-256; GLM-5.3-Flash
-# has rope 0). Outside them the value is a typo or a corrupted file. The kernels' own widths are the
-# layout's; the policy refuses a model whose cache rows would not be those.
-MAX_HEAD_WIDTH = 1 << 16
+from .types import DEFAULT_FAMILY, ModelProfile
 
 # Indexer keys pooled per pick: GLM-5.3-Flash pools 4; more than a page's 64 would be no index.
 MAX_KPOOL = 64
 
 # The geometry keys of an MLA config: the least value each may take (rope may be 0: NoPE models).
 GEOMETRY_KEYS = {"kv_lora_rank": 1, "qk_rope_head_dim": 0, "qk_nope_head_dim": 0, "v_head_dim": 1}
-
-
-# DeepSeek-V4 (docs/facts.md#deepseek-v4). Layer types of transformers' DeepseekV4Config and the legacy per-layer
-# compress_ratios they map from; V4.1 keeps a flat per-layer compress_ratios of 0 / 1 / 2.
-DSV4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-DSV4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-DSV4_RATIOS = (0, 4, 128)
-DSV41_RATIOS = (0, 1, 2)
-DSV41_ARCHS = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
-DSV41_MODEL_TYPE = "deepseek_v41"
-MAX_LAYERS = 1024
-MAX_WINDOW = 1 << 16
-# Every DeepSeek-V4 attention row: q = K = V = 512 values, 64 of them rope.
-DSV4_HEAD_DIM = 512
-DSV4_ROPE_DIM = 64
-
-
-@dataclass(frozen=True)
-class Dsv4Geometry:
-    """What a DeepSeek-V4 model's attention calls depend on, read from its config.
-
-    :param version: ``"v4"`` (V4-Flash, V4-Pro) or ``"v4.1"`` (V4.1-Flash).
-    :param ratios: compress ratio of each attention layer, the draft (MTP) layers last: 0 window
-        only; V4: 4 (C4A: the indexer's top-k of 4-token entries) or 128 (C128A: every 128-token
-        entry); V4.1: 1 or 2.
-    :param draft_layers: how many of ``ratios`` are draft (MTP) layers.
-    :param sliding_window: tokens of a layer's window.
-    :param o_groups: output-projection groups (each rank needs at least one).
-    :param head_dim: q/K/V width (512).
-    :param qk_rope_head_dim: the rope part of it (64).
-    :param vision_tokens: how far the vision variant widens prefill window rows (0: none).
-    :param max_model_len: the longest context (``max_position_embeddings``): bounds C128A's rows.
-    :param layers_known: ``ratios`` are the model's layers (False: a built-in profile that lists
-        each layer kind once, the model's own list being in its config.json only).
-    """
-
-    version: str
-    ratios: tuple[int, ...]
-    draft_layers: int
-    sliding_window: int
-    o_groups: int
-    head_dim: int = DSV4_HEAD_DIM
-    qk_rope_head_dim: int = DSV4_ROPE_DIM
-    vision_tokens: int = 0
-    max_model_len: int = 1 << 20
-    layers_known: bool = True
-
-    def layer_counts(self) -> dict[int, int]:
-        """Compress ratio -> how many layers have it, in first-seen order."""
-        counts: dict[int, int] = {}
-        for ratio in self.ratios:
-            counts[ratio] = counts.get(ratio, 0) + 1
-        return counts
 
 
 @dataclass(frozen=True)
@@ -102,7 +36,9 @@ class ModelFacts:
         and softmax scale; read and type-checked, not served on).
     :param v_head_dim: the value width per head (likewise).
     :param index_kpool: indexer keys pooled per top-k pick (1: none).
-    :param dsv4: a DeepSeek-V4 model's layer geometry; None for a DSA model.
+    :param geometry: what the model's family reads of its own config keys (a family with several call
+        shapes: its layers' geometry, :meth:`~mla_sm120_plugin.families.base.Family.config_geometry`);
+        None where the family reads none.
     :param sinks: the attention carries a learned sink logit per head (the config's
         ``learnable_sink``; absent: the profile's).
     :param dense_layers: MLA layers the model builds dense, without an indexer (Kimi K3.1's MLA
@@ -119,7 +55,7 @@ class ModelFacts:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     index_kpool: int = 1
-    dsv4: Dsv4Geometry | None = None
+    geometry: Any = None
     sinks: bool = False
     dense_layers: int = 0
     family: str = DEFAULT_FAMILY
@@ -146,22 +82,6 @@ class ModelFacts:
         return self.num_heads // tp
 
 
-_ABSENT = object()
-
-
-def _get(cfg: Any, key: str) -> Any:
-    """``cfg[key]`` for a dict (a present null is a value, and wrong); ``cfg.key`` for a
-    ``PretrainedConfig``-like object (None is how those say absent)."""
-    if isinstance(cfg, dict):
-        return cfg.get(key, _ABSENT)
-    value = getattr(cfg, key, None)
-    return _ABSENT if value is None else value
-
-
-def _bad_value(where: str, key: str, value: Any, supported: str, fix: str) -> ConfigError:
-    return ConfigError(format_error(f"{where}: {key}={files.short_repr(value)} ({type(value).__name__})", supported, fix))
-
-
 def _architectures(cfg: Any, where: str) -> tuple[str, ...]:
     archs = _get(cfg, "architectures")
     if archs is _ABSENT:
@@ -175,129 +95,6 @@ def _architectures(cfg: Any, where: str) -> tuple[str, ...]:
         raise _bad_value(where, "architectures", archs, 'a non-empty list of non-empty strings, e.g. ["GlmMoeDsaForCausalLM"]',
                          "point at the model's own config.json, or correct 'architectures' in it")
     return tuple(archs)
-
-
-def _count(cfg: Any, key: str, bound: int, where: str, profile: ModelProfile | None, attr: str,
-           least: int = 1) -> int:
-    """An int field in ``[least, bound]``; absent: the matched ``profile``'s ``attr``, else 0 (see
-    :class:`ModelFacts`)."""
-    fallback = getattr(profile, attr, None) if profile is not None else None
-    value = _get(cfg, key)
-    if value is _ABSENT:
-        return fallback or 0
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= bound:
-        profile_hint = f", or remove it to use the {profile.name} profile's {fallback}" if fallback is not None else ""
-        raise _bad_value(where, key, value, f"an integer from {least} to {bound} (not a bool, float or string)",
-                         f"set {key} to the model's value{profile_hint}")
-    return value
-
-
-def _flag(cfg: Any, key: str, where: str, fallback: bool) -> bool:
-    """A true/false field; absent: ``fallback`` (the matched profile's)."""
-    value = _get(cfg, key)
-    if value is _ABSENT:
-        return fallback
-    if not isinstance(value, bool):
-        raise _bad_value(where, key, value, "true or false (a JSON boolean)", f"set {key} to the model's true or false")
-    return value
-
-
-def _list_of(cfg: Any, key: str, where: str, item_ok: Callable[[Any], bool], supported: str, fix: str, *,
-             least: int = 0) -> list[Any] | None:
-    """A list field of ``least`` to :data:`MAX_LAYERS` items, each ``item_ok``; None when absent.
-
-    :raises ConfigError: another type, length or item (``supported`` says what is accepted).
-    """
-    value = _get(cfg, key)
-    if value is _ABSENT:
-        return None
-    if not isinstance(value, (list, tuple)) or not least <= len(value) <= MAX_LAYERS or not all(map(item_ok, value)):
-        raise _bad_value(where, key, value, supported, fix)
-    return list(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_list(cfg: Any, key: str, where: str, allowed: tuple[int, ...], fix: str) -> list[int] | None:
-    return _list_of(cfg, key, where, lambda v: _is_int(v) and v in allowed,
-                    f"a non-empty list (at most {MAX_LAYERS}) of ints from {list(allowed)}", fix, least=1)
-
-
-def _dsv4_ratios(cfg: Any, where: str, version: str, layers: int, draft: int) -> list[int]:
-    """Each attention layer's compress ratio (drafts last), the way the engines read them."""
-    if version == "v4.1":
-        # V4.1: one flat list over every layer, the draft's included (vLLM's DeepseekV41Config).
-        ratios = _int_list(cfg, "compress_ratios", where, DSV41_RATIOS,
-                           "set compress_ratios to the model's per-layer list (0 window, 1 or 2 compressed)")
-        if ratios is None:
-            raise ConfigError(format_error(f"{where}: a DeepSeek-V4.1 config without compress_ratios",
-                                           "a per-layer compress_ratios list (0 / 1 / 2), the draft layers included",
-                                           "point at the model's own config.json"))
-        return ratios
-    fix = "point at the model's own config.json, or correct layer_types / compress_rates in it"
-    rates = _get(cfg, "compress_rates")
-    if rates is _ABSENT:
-        rates = dict(DSV4_DEFAULT_RATES)
-    elif (not isinstance(rates, dict) or not set(rates) <= set(DSV4_DEFAULT_RATES)
-          or not all(isinstance(v, int) and not isinstance(v, bool) and v in DSV4_RATIOS[1:] for v in rates.values())):
-        raise _bad_value(where, "compress_rates", rates,
-                         f"a mapping of {sorted(DSV4_DEFAULT_RATES)} to {list(DSV4_RATIOS[1:])}", fix)
-    types = _get(cfg, "layer_types")
-    if types is _ABSENT:
-        legacy = _int_list(cfg, "compress_ratios", where, DSV4_RATIOS, fix)
-        if legacy is not None:
-            reverse = {ratio: name for name, ratio in DSV4_LAYER_TYPES.items()}
-            types = [reverse[r] for r in legacy]
-        else:  # transformers' default: two C128A layers, then C128A / C4A alternating
-            types = (["heavily_compressed_attention"] * min(layers, 2)
-                     + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
-                        for i in range(max(layers - 2, 0))])
-    elif (not isinstance(types, (list, tuple)) or not 0 < len(types) <= MAX_LAYERS
-          or not all(isinstance(t, str) and t in DSV4_LAYER_TYPES for t in types)):
-        raise _bad_value(where, "layer_types", types, f"a list of {list(DSV4_LAYER_TYPES)}", fix)
-    if len(types) < layers:
-        raise ConfigError(format_error(f"{where}: {len(types)} layer types for num_hidden_layers={layers}",
-                                       "one layer type (or compress ratio) per hidden layer", fix))
-    ratios = [0 if t == "sliding_attention" else rates.get(t, DSV4_DEFAULT_RATES[t]) for t in types[:layers]]
-    return ratios + [0] * draft  # draft (MTP) layers attend their window only
-
-
-def dsv4_geometry(cfg: Any, *, where: str, version: str) -> Dsv4Geometry:
-    """A DeepSeek-V4 config's layer geometry (:class:`Dsv4Geometry`), type- and range-checked.
-
-    V4 reads ``layer_types`` + ``compress_rates`` (or the legacy per-layer ``compress_ratios``,
-    or transformers' default pattern), V4.1 its flat ``compress_ratios``; both read
-    ``sliding_window``, ``o_groups``, ``head_dim`` (must be 512), ``qk_rope_head_dim`` (64) and
-    the vision variant's ``vision_max_n_token``.
-
-    :raises ConfigError: a key of the wrong type or range, or a layer list shorter than the layers.
-    """
-    layers = _count(cfg, "num_hidden_layers", MAX_LAYERS, where, None, "")
-    # Absent: transformers' default, one MTP layer.
-    draft = 1 if _get(cfg, "num_nextn_predict_layers") is _ABSENT else _count(
-        cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", least=0)
-    if layers == 0:
-        raise ConfigError(format_error(f"{where}: a DeepSeek-V4 config without num_hidden_layers",
-                                       "num_hidden_layers: the model's layer count", "point at the model's own config.json"))
-    ratios = _dsv4_ratios(cfg, where, version, layers, draft)
-    if version == "v4.1":
-        draft = max(len(ratios) - layers, 0)
-    head_dim = _count(cfg, "head_dim", MAX_HEAD_WIDTH, where, None, "") or DSV4_HEAD_DIM
-    rope = _get(cfg, "qk_rope_head_dim")
-    rope = DSV4_ROPE_DIM if rope is _ABSENT else _count(cfg, "qk_rope_head_dim", MAX_HEAD_WIDTH, where, None, "", 0)
-    vision = 0
-    if version == "v4" and (_count(cfg, "vision_n_layers", MAX_LAYERS, where, None, "", 0) or 0) > 0:
-        vision = _count(cfg, "vision_max_n_token", MAX_WINDOW, where, None, "", 0)
-    return Dsv4Geometry(
-        version=version, ratios=tuple(ratios), draft_layers=draft,
-        sliding_window=_count(cfg, "sliding_window", MAX_WINDOW, where, None, "") or 128,
-        o_groups=_count(cfg, "o_groups", MAX_HEADS, where, None, "") or 8,
-        head_dim=head_dim, qk_rope_head_dim=rope, vision_tokens=vision,
-        max_model_len=_count(cfg, "max_position_embeddings", MAX_INDEX_TOPK * 64, where, None, "") or (1 << 20),
-        layers_known=_get(cfg, LAYER_COUNTS_UNKNOWN) is _ABSENT,
-    )
 
 
 def _dsa_config(cfg: Any, where: str) -> Any:
@@ -385,14 +182,10 @@ def facts_from_hf_config(cfg: Any, *, name: str, registry: Registry, source: str
     # draft layer is planned as the model's own layers.
     _flag(cfg, "gated_mla", where, False)
     _count(cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", 0)
-    dsv4 = None
-    if profile is not None and profile.family == DSV4_FAMILY:
-        # SGLang renames V4.1's architecture to V4's and keeps model_type deepseek_v41.
-        v41 = arch in DSV41_ARCHS or _get(cfg, "model_type") == DSV41_MODEL_TYPE
-        dsv4 = dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
-    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, dsv4=dsv4, sinks=sinks,
-                      dense_layers=dense, family=profile.family if profile is not None else DEFAULT_FAMILY,
-                      **geometry)
+    family = profile.family if profile is not None else DEFAULT_FAMILY
+    own = families.get(family).config_geometry(cfg, arch=arch, where=where)  # the family's own keys
+    return ModelFacts(arch=arch, name=name, num_heads=heads, index_topk=topk, index_kpool=kpool, geometry=own,
+                      sinks=sinks, dense_layers=dense, family=family, **geometry)
 
 
 def _facts_from_file(spec: str, path: str, registry: Registry) -> ModelFacts:

@@ -71,6 +71,14 @@ class Family(Protocol):
         :raises UnsupportedConfiguration: what no layer kind can serve (device, TP size, KV dtype).
         """
 
+    def config_geometry(self, cfg: Any, *, arch: str, where: str) -> Any:
+        """What the family reads of its models' own config keys (a dict or a ``PretrainedConfig``-like
+        object; :mod:`mla_sm120_plugin.hfconfig`'s readers), kept as :attr:`ModelFacts.geometry`; None: it
+        reads none beyond the shared ones.
+
+        :raises ConfigError: a key of the wrong type or range (the message names ``where``).
+        """
+
     def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: ModelFacts) -> str:
         """The cache layout (or record) the engine's ``--kv-cache-dtype`` ``value`` (None: auto) gives this
         family's model on ``device``: the one place a context's layout is derived. A value the family has

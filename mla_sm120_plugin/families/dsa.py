@@ -146,6 +146,10 @@ class DsaFamily:
         nothing here: the engine's decode bound in ``limits`` carries the draft tokens)."""
         return Shaped(contexts={KIND: base}, kv_cache=base.kv_cache_dtype)
 
+    def config_geometry(self, cfg: Any, *, arch: str, where: str) -> None:
+        """Nothing of its own: every DSA key is the shared reader's (:mod:`mla_sm120_plugin.modelinfo`)."""
+        return None
+
     def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: Any) -> str:
         """The engine's spelling read for this model's rope width and sinks (:meth:`Engine.kv_layout`)."""
         return engine.kv_layout(value, device.sm_family, facts.qk_rope_head_dim, facts.sinks)

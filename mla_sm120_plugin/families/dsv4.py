@@ -19,19 +19,149 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from ..engines import Engine, for_context, lookup, others
-from ..errors import UnsupportedConfiguration, format_error
+from ..errors import ConfigError, UnsupportedConfiguration, format_error
+from ..hfconfig import (ABSENT, MAX_HEAD_WIDTH, MAX_HEADS, MAX_INDEX_TOPK, MAX_LAYERS, MAX_WINDOW, bad_value, count,
+                        get, int_list)
 from ..kernels.dsv4.layout import FP8_DSV4, FP8_RECORD, NVFP4_DSV4, NVFP4_RECORD, RECORDS, Dsv4Record
 from ..kernels.shared.host import cdiv
 from ..rules import device_refusal, feature_refusals
-from ..types import DECODE, PHASES, PREFILL, DcpService, Decision, DeviceInfo, ModelProfile, Refusal, SelectionContext
+from ..types import (DECODE, LAYER_COUNTS_UNKNOWN, PHASES, PREFILL, DcpService, Decision, DeviceInfo, ModelProfile,
+                     Refusal, SelectionContext)
 from .base import Shaped
 
-# ModelFacts and its Dsv4Geometry (modelinfo) reach this module as arguments: read by attribute, not
-# imported (the reader sits on this floor and imports the plugin manager, which loads the families).
+# ModelFacts (modelinfo) reaches this module as an argument: read by attribute, not imported (the reader
+# sits on this floor and imports the plugin manager, which loads the families). Its ``geometry`` is this
+# family's own reading of the config (:class:`Dsv4Geometry`, :meth:`Dsv4Family.config_geometry`).
 
 NAME = "dsv4"
 GIB = 1 << 30
 WINDOW = "window"
+
+
+# DeepSeek-V4 (docs/facts.md#deepseek-v4). Layer types of transformers' DeepseekV4Config and the legacy per-layer
+# compress_ratios they map from; V4.1 keeps a flat per-layer compress_ratios of 0 / 1 / 2.
+DSV4_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+DSV4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+DSV4_RATIOS = (0, 4, 128)
+DSV41_RATIOS = (0, 1, 2)
+DSV41_ARCHS = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
+DSV41_MODEL_TYPE = "deepseek_v41"
+# Every DeepSeek-V4 attention row: q = K = V = 512 values, 64 of them rope.
+DSV4_HEAD_DIM = 512
+DSV4_ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class Dsv4Geometry:
+    """What a DeepSeek-V4 model's attention calls depend on, read from its config.
+
+    :param version: ``"v4"`` (V4-Flash, V4-Pro) or ``"v4.1"`` (V4.1-Flash).
+    :param ratios: compress ratio of each attention layer, the draft (MTP) layers last: 0 window
+        only; V4: 4 (C4A: the indexer's top-k of 4-token entries) or 128 (C128A: every 128-token
+        entry); V4.1: 1 or 2.
+    :param draft_layers: how many of ``ratios`` are draft (MTP) layers.
+    :param sliding_window: tokens of a layer's window.
+    :param o_groups: output-projection groups (each rank needs at least one).
+    :param head_dim: q/K/V width (512).
+    :param qk_rope_head_dim: the rope part of it (64).
+    :param vision_tokens: how far the vision variant widens prefill window rows (0: none).
+    :param max_model_len: the longest context (``max_position_embeddings``): bounds C128A's rows.
+    :param layers_known: ``ratios`` are the model's layers (False: a built-in profile that lists
+        each layer kind once, the model's own list being in its config.json only).
+    """
+
+    version: str
+    ratios: tuple[int, ...]
+    draft_layers: int
+    sliding_window: int
+    o_groups: int
+    head_dim: int = DSV4_HEAD_DIM
+    qk_rope_head_dim: int = DSV4_ROPE_DIM
+    vision_tokens: int = 0
+    max_model_len: int = 1 << 20
+    layers_known: bool = True
+
+    def layer_counts(self) -> dict[int, int]:
+        """Compress ratio -> how many layers have it, in first-seen order."""
+        counts: dict[int, int] = {}
+        for ratio in self.ratios:
+            counts[ratio] = counts.get(ratio, 0) + 1
+        return counts
+
+
+def _dsv4_ratios(cfg: Any, where: str, version: str, layers: int, draft: int) -> list[int]:
+    """Each attention layer's compress ratio (drafts last), the way the engines read them."""
+    if version == "v4.1":
+        # V4.1: one flat list over every layer, the draft's included (vLLM's DeepseekV41Config).
+        ratios = int_list(cfg, "compress_ratios", where, DSV41_RATIOS,
+                           "set compress_ratios to the model's per-layer list (0 window, 1 or 2 compressed)")
+        if ratios is None:
+            raise ConfigError(format_error(f"{where}: a DeepSeek-V4.1 config without compress_ratios",
+                                           "a per-layer compress_ratios list (0 / 1 / 2), the draft layers included",
+                                           "point at the model's own config.json"))
+        return ratios
+    fix = "point at the model's own config.json, or correct layer_types / compress_rates in it"
+    rates = get(cfg, "compress_rates")
+    if rates is ABSENT:
+        rates = dict(DSV4_DEFAULT_RATES)
+    elif (not isinstance(rates, dict) or not set(rates) <= set(DSV4_DEFAULT_RATES)
+          or not all(isinstance(v, int) and not isinstance(v, bool) and v in DSV4_RATIOS[1:] for v in rates.values())):
+        raise bad_value(where, "compress_rates", rates,
+                         f"a mapping of {sorted(DSV4_DEFAULT_RATES)} to {list(DSV4_RATIOS[1:])}", fix)
+    types = get(cfg, "layer_types")
+    if types is ABSENT:
+        legacy = int_list(cfg, "compress_ratios", where, DSV4_RATIOS, fix)
+        if legacy is not None:
+            reverse = {ratio: name for name, ratio in DSV4_LAYER_TYPES.items()}
+            types = [reverse[r] for r in legacy]
+        else:  # transformers' default: two C128A layers, then C128A / C4A alternating
+            types = (["heavily_compressed_attention"] * min(layers, 2)
+                     + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                        for i in range(max(layers - 2, 0))])
+    elif (not isinstance(types, (list, tuple)) or not 0 < len(types) <= MAX_LAYERS
+          or not all(isinstance(t, str) and t in DSV4_LAYER_TYPES for t in types)):
+        raise bad_value(where, "layer_types", types, f"a list of {list(DSV4_LAYER_TYPES)}", fix)
+    if len(types) < layers:
+        raise ConfigError(format_error(f"{where}: {len(types)} layer types for num_hidden_layers={layers}",
+                                       "one layer type (or compress ratio) per hidden layer", fix))
+    ratios = [0 if t == "sliding_attention" else rates.get(t, DSV4_DEFAULT_RATES[t]) for t in types[:layers]]
+    return ratios + [0] * draft  # draft (MTP) layers attend their window only
+
+
+def dsv4_geometry(cfg: Any, *, where: str, version: str) -> Dsv4Geometry:
+    """A DeepSeek-V4 config's layer geometry (:class:`Dsv4Geometry`), type- and range-checked.
+
+    V4 reads ``layer_types`` + ``compress_rates`` (or the legacy per-layer ``compress_ratios``,
+    or transformers' default pattern), V4.1 its flat ``compress_ratios``; both read
+    ``sliding_window``, ``o_groups``, ``head_dim`` (must be 512), ``qk_rope_head_dim`` (64) and
+    the vision variant's ``vision_max_n_token``.
+
+    :raises ConfigError: a key of the wrong type or range, or a layer list shorter than the layers.
+    """
+    layers = count(cfg, "num_hidden_layers", MAX_LAYERS, where, None, "")
+    # Absent: transformers' default, one MTP layer.
+    draft = 1 if get(cfg, "num_nextn_predict_layers") is ABSENT else count(
+        cfg, "num_nextn_predict_layers", MAX_LAYERS, where, None, "", least=0)
+    if layers == 0:
+        raise ConfigError(format_error(f"{where}: a DeepSeek-V4 config without num_hidden_layers",
+                                       "num_hidden_layers: the model's layer count", "point at the model's own config.json"))
+    ratios = _dsv4_ratios(cfg, where, version, layers, draft)
+    if version == "v4.1":
+        draft = max(len(ratios) - layers, 0)
+    head_dim = count(cfg, "head_dim", MAX_HEAD_WIDTH, where, None, "") or DSV4_HEAD_DIM
+    rope = get(cfg, "qk_rope_head_dim")
+    rope = DSV4_ROPE_DIM if rope is ABSENT else count(cfg, "qk_rope_head_dim", MAX_HEAD_WIDTH, where, None, "", 0)
+    vision = 0
+    if version == "v4" and (count(cfg, "vision_n_layers", MAX_LAYERS, where, None, "", 0) or 0) > 0:
+        vision = count(cfg, "vision_max_n_token", MAX_WINDOW, where, None, "", 0)
+    return Dsv4Geometry(
+        version=version, ratios=tuple(ratios), draft_layers=draft,
+        sliding_window=count(cfg, "sliding_window", MAX_WINDOW, where, None, "") or 128,
+        o_groups=count(cfg, "o_groups", MAX_HEADS, where, None, "") or 8,
+        head_dim=head_dim, qk_rope_head_dim=rope, vision_tokens=vision,
+        max_model_len=count(cfg, "max_position_embeddings", MAX_INDEX_TOPK * 64, where, None, "") or (1 << 20),
+        layers_known=get(cfg, LAYER_COUNTS_UNKNOWN) is ABSENT,
+    )
 
 
 def kind_name(ratio: int) -> str:
@@ -121,7 +251,7 @@ def layer_calls(facts: Any, engine: str, tensor_parallel_size: int, *, speculati
 
     :raises UnsupportedConfiguration: not a DeepSeek-V4 model, or the TP size does not divide the heads.
     """
-    geometry = facts.dsv4
+    geometry = facts.geometry
     if geometry is None:
         raise UnsupportedConfiguration(format_error(f"{facts.name} ({facts.arch}) is not a DeepSeek-V4 model",
                                                     "DeepSeek-V4, V4-Pro, V4.1 and their drafts",
@@ -166,7 +296,7 @@ def _check_record(engine: Engine, record: str, kv_cache_dtype: str | None, facts
     spelled = "auto" if kv_cache_dtype is None else str(kv_cache_dtype)
     if record == FP8_DSV4:
         return
-    geometry = facts.dsv4
+    geometry = facts.geometry
     assert geometry is not None  # layer_calls refused anything else
     if record == NVFP4_DSV4:
         why = None
@@ -198,7 +328,7 @@ def _check_record(engine: Engine, record: str, kv_cache_dtype: str | None, facts
 
 
 def _tp_refusal(facts: Any, tp: int, device: DeviceInfo, engine: Engine) -> None:
-    geometry = facts.dsv4
+    geometry = facts.geometry
     assert geometry is not None  # layer_calls checked it
     if tp > geometry.o_groups:
         raise UnsupportedConfiguration(format_error(
@@ -239,7 +369,7 @@ def _shape(base: SelectionContext, facts: Any, kv_cache_dtype: str | None, limit
     _check_record(engine, record, kv_cache_dtype, facts, device, dspark)
     contexts = {call.kind: dataclasses.replace(base, call=call) for call in calls}
     notes = []
-    if not facts.dsv4.layers_known:
+    if not facts.geometry.layers_known:
         notes.append(f"{facts.name}: a built-in profile lists each layer kind the model has; the layer counts are "
                      "not the model's (its config.json has its per-layer list: pass that for the counts)")
     notes.append(engine.dsv4.opt_in)
@@ -283,7 +413,7 @@ def _record_text(record: Dsv4Record) -> str:
 
 
 def _capacity_text(plan: Any, record: Dsv4Record) -> str:
-    cap = model_capacity(plan.facts.dsv4, record)
+    cap = model_capacity(plan.facts.geometry, record)
     counts = {name: row["tokens_per_gib"] for name, row in cap["layouts"].items()}
     if record.name == FP8_RECORD.name:
         return f"capacity: {counts[record.name]:,} context tokens a GiB of compressed cache (all compressed layers)"
@@ -320,6 +450,15 @@ class Dsv4Family:
         :raises UnsupportedConfiguration: the device, the TP size or the KV dtype cannot be served.
         """
         return _shape(base, facts, kv_cache_dtype, limits, speculative_tokens=speculative_tokens, dspark=dspark)
+
+    def config_geometry(self, cfg: Any, *, arch: str, where: str) -> Dsv4Geometry:
+        """The layers' geometry from the model's own config keys (:func:`dsv4_geometry`; V4.1 by its
+        architecture or its model_type, which SGLang keeps when it renames V4.1's architecture to V4's).
+
+        :raises ConfigError: a key of the wrong type or range, or a layer list shorter than the layers.
+        """
+        v41 = arch in DSV41_ARCHS or get(cfg, "model_type") == DSV41_MODEL_TYPE
+        return dsv4_geometry(cfg, where=where, version="v4.1" if v41 else "v4")
 
     def kv_layout(self, engine: Engine, value: str | None, device: DeviceInfo, facts: Any) -> str:
         """The record the engine's spelling names (:func:`kv_record`)."""
@@ -366,12 +505,12 @@ class Dsv4Family:
         return f"{kind} per {record.scale_group} values, fixed by the record"
 
     def plan_capacity(self, plan: Any) -> dict[str, Any]:
-        return model_capacity(plan.facts.dsv4, RECORDS[plan.kv_cache])
+        return model_capacity(plan.facts.geometry, RECORDS[plan.kv_cache])
 
     def plan_rows(self, plan: Any) -> list[str]:
         """The plan's header (model, device, release, heads and groups a GPU; the record; the compressed
         caches' capacity) and a row per (layer kind, phase)."""
-        geometry = plan.facts.dsv4
+        geometry = plan.facts.geometry
         record = RECORDS[plan.kv_cache]
         heads = plan.facts.num_heads // plan.tensor_parallel_size
         lines = [
@@ -396,7 +535,7 @@ class Dsv4Family:
         return lines
 
     def details(self, plan: Any) -> dict[str, Any]:
-        geometry = plan.facts.dsv4
+        geometry = plan.facts.geometry
         return {"version": geometry.version, "layers_known": geometry.layers_known,
                 "compressed_bytes_per_token": bytes_per_token(geometry, RECORDS[plan.kv_cache])}
 

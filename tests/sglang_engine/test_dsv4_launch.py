@@ -10,11 +10,12 @@ import logging
 import os
 
 import pytest
-from helpers import flashinfer_refusal_here, run_cli
+from support.cli import run_cli
+from support.kernel_checks import flashinfer_refusal_here
 from sglang.srt.arg_groups.model_hook import handle_model_specific_adjustments
 from sglang.srt.arg_groups.overrides import ResolvedView, _declaration_overlay
 from sglang.srt.arg_groups.resolution_hooks import run_hook
-from sglang_launch import server_args
+from support.sglang_launch import server_args
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
@@ -83,7 +84,7 @@ def test_sglangs_v41_config_object_is_read_as_v41(tmp_path, capability):
     from mla_sm120_plugin.modelinfo import facts_from_hf_config
 
     facts = facts_from_hf_config(hf_config, name=model, registry=get_registry())
-    assert facts.dsv4.version == "v4.1" and facts.dsv4.ratios == (0, 1, 2, 0)
+    assert facts.geometry.version == "v4.1" and facts.geometry.ratios == (0, 1, 2, 0)
     calls = {c.kind: c for c in layer_calls(facts, "sglang", 8)}
     assert set(calls) == {"window", "c1a", "c2a"}
     assert (calls["c1a"].extra_page, calls["c2a"].extra_page, calls["c1a"].window_page) == (256, 128, 64)

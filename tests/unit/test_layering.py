@@ -81,7 +81,7 @@ def test_a_kernel_module_holds_no_hook_implementation(path):
 LAYERS = (
     ("errors", "envs"),                                      # leaves: error types, environment variable names
     ("kernels",),                                            # pure kernels and the bytes they read
-    ("files", "types", "device", "engines", "config"),       # facts and settings
+    ("files", "hfconfig", "types", "device", "engines", "config"),  # facts and settings (hfconfig: a config's keys)
     ("hooks", "modelinfo", "profiles", "rules", "families"),  # the hook mechanism; built-in profiles, pages, families
     ("selection", "context"),                                # the constraint matrix, the context builder
     ("plan", "report"),                                      # a model's plan per layer kind, rendered
@@ -91,6 +91,17 @@ LAYERS = (
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_architecture_page_puts_every_module_on_its_floor():
+    """docs/architecture.md's floor table names each top-level module on the floor it has here (a module
+    added, moved or removed without the page fails)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text.split("| floor | modules | holds |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| ")]
+    floors = [{name.split("/")[0].removesuffix(".py") for name in re.findall(r"`([\w/.]+)`", row.split("|")[2])}
+              for row in rows]
+    assert floors == [set(names) for names in LAYERS], floors
 
 
 def _layer(module: str) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 
 import pytest
-from helpers import run_cli
+from support.cli import run_cli
 
 from mla_sm120_plugin import plan as plan_mod
 from mla_sm120_plugin import report
@@ -142,7 +142,7 @@ def test_vllm_56837_shape_is_served():
            "text_config": {"num_hidden_layers": 4, "num_attention_heads": 64, "index_topk": 1152,
                            "compress_ratios": [0, 1, 2, 1, 0], "o_groups": 8, "sliding_window": 128}}
     plan = _plan(_facts(cfg))
-    assert plan.facts.dsv4.version == "v4.1" and plan.facts.dsv4.draft_layers == 1
+    assert plan.facts.geometry.version == "v4.1" and plan.facts.geometry.draft_layers == 1
     assert {k: d.context.call.layers for k, d in plan.decisions.items()} == {"window": 2, "c1a": 2, "c2a": 1}
     c1a = plan.decisions["c1a"].context.call
     assert (c1a.extra, c1a.extra_page, c1a.window_page, c1a.decode_heads) == (1152, 128, 32, 64)
