@@ -67,17 +67,17 @@ class CheckKey:
     """What makes two self-checks different; one check per key and process.
 
     :param kernel: the kernel's registered name.
-    :param phase: ``"decode"`` / ``"prefill"`` (sets a DSA case's tokens), ``"both"`` (a DeepSeek-V4
-        case serves both phases).
-    :param kv_layout: the cache layout (a DSA layout or a DeepSeek-V4 record).
+    :param phase: ``"decode"`` / ``"prefill"`` (sets a DSA case's tokens), ``"both"`` (a case that
+        serves both phases: a family whose call is one for both).
+    :param kv_layout: the cache layout (or record) the family's kernels read.
     :param num_heads: q heads of the call.
     :param device: where it runs (``"cpu"``, ``"cuda:0"``).
     :param q_dtype: ``"bf16"`` (what the engines pass) or ``"fp32"``.
     :param scale_format: what a DSA kernel is told of fp8 scales (None: no fp8 scales to tell).
     :param written_format: how the case's fp8 scales are written.
     :param topk: a DSA case's index top-k.
-    :param window_page: a DeepSeek-V4 case's window-cache page (as the engine's call passes it).
-    :param extra_page: its compressed-cache page (0: a window-only layer kind).
+    :param pages: the entries a page holds in each cache the family's call reads, in the call's order,
+        as the engine's call passes them (empty: the case's own; a one-cache case has 64-row pages).
     :param sinks: a DSA case carries a learned sink logit per head (a model with sinks, HY V4).
     :param lengths: the caller hands the kernel per-row top-k lengths (:attr:`Engine.call_lengths`;
         always under DCP: the owned counts).
@@ -96,8 +96,7 @@ class CheckKey:
     scale_format: str | None = None
     written_format: str | None = None
     topk: int = 0
-    window_page: int = 0
-    extra_page: int = 0
+    pages: tuple[int, ...] = ()
     sinks: bool = False
     lengths: bool = True
     lse: str | None = None
@@ -257,7 +256,7 @@ def _compare(kernel: BoundKernel, key: CheckKey, case: Any, inputs: dict[str, An
 
 def check(kernel: BoundKernel, *, phase: str, kv_layout: str, num_heads: int, device: torch.device | str = "cpu",
           q_dtype: str = "bf16", scale_format: str | None = None, written_format: str | None = None, topk: int = 0,
-          window_page: int = 0, extra_page: int = 0, **call: Any) -> CheckResult:
+          pages: tuple[int, ...] = (), **call: Any) -> CheckResult:
     """Run ``kernel`` once on this machine against float64 (cached per :class:`CheckKey`; the
     arguments are its fields, ``written_format`` defaulting to ``scale_format``; ``call``: the fields
     that say how the caller makes the call, ``sinks``, ``lengths``, ``lse`` and ``dcp``).
@@ -265,7 +264,7 @@ def check(kernel: BoundKernel, *, phase: str, kv_layout: str, num_heads: int, de
     :returns: the :class:`CheckResult`; never raises for a failing kernel.
     """
     key = CheckKey(kernel.name, phase, kv_layout, num_heads, str(torch.device(device)), q_dtype, scale_format,
-                   written_format or scale_format, topk, window_page, extra_page, **call)
+                   written_format or scale_format, topk, tuple(pages), **call)
     return run(kernel, key)
 
 
@@ -315,12 +314,12 @@ def verify(decision: Decision, *, device: torch.device | str, strict: bool, q_dt
     """Self-check each phase's kernel of ``decision``; fall back along its alternates on failure.
 
     :param decision: the :class:`~mla_sm120_plugin.types.Decision` (its context says the family, the
-        layout, the heads and, for DeepSeek-V4, the pages the engine's call passes).
+        layout, the heads and, for a family with call shapes, the pages the engine's call passes).
     :param device: the engine's device.
     :param strict: refuse on the first failure instead of falling back.
     :param q_dtype: the q dtype the engine passes ("bf16").
     :param engine_fns: kernel name -> the callable that runs it as the engine calls it, for kernels
-        the engine runs itself (FlashInfer's DeepSeek-V4 kernel); others bind from their entry.
+        the engine runs itself (FlashInfer's two-cache kernel); others bind from their entry.
     :param phases: the phases to check (default: every phase of the decision).
     :returns: phase -> the kernel to run (an alternate where a fallback took over), and one log line
         with every result, each fallback and the time spent.

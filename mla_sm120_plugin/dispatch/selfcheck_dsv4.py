@@ -59,7 +59,8 @@ def build(key: Any, device: torch.device) -> dict[str, Any]:
         out[0, 0, :3] = torch.tensor([-1, capacity, 2**31 - 1], dtype=torch.int32)
         return out
 
-    swa, swa_cap = cache(key.window_page, 3 * window)
+    window_page, extra_page = key.pages
+    swa, swa_cap = cache(window_page, 3 * window)
     inputs: dict[str, Any] = dict(
         query=torch.randn(CHECK_TOKENS, key.num_heads, REC.head_dim, generator=gen, device=cpu),
         swa_kv_cache=swa, sparse_indices=ids(swa_cap, window),
@@ -69,8 +70,8 @@ def build(key: Any, device: torch.device) -> dict[str, Any]:
     sinks[::3] = float("-inf")
     sinks[1::5] = 30.0  # outweighs every score: that head's output is near zero
     inputs["sinks"] = sinks
-    if key.extra_page:
-        extra, extra_cap = cache(key.extra_page, 2 * extra_width)
+    if extra_page:
+        extra, extra_cap = cache(extra_page, 2 * extra_width)
         inputs.update(compressed_kv_cache=extra, extra_sparse_indices=ids(extra_cap, extra_width),
                       extra_sparse_topk_lens=torch.tensor([extra_width, 7, 0, 0], dtype=torch.int32))
     moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -119,16 +120,13 @@ def keys(decision: Decision, phase: str, kernel: str, *, q_dtype: str, device: s
     record, the phase's q heads and the pages the engine's call passes."""
     call = decision.context.call
     assert call is not None  # a DeepSeek-V4 decision carries its call
-    window_page, extra_page = call.pages_at_call
     return [dict(kernel=kernel, phase=BOTH, kv_layout=decision.context.kv_cache_dtype,
-                 num_heads=call.heads_for(phase), device=device, q_dtype=q_dtype, window_page=window_page,
-                 extra_page=extra_page)]
+                 num_heads=call.heads_for(phase), device=device, q_dtype=q_dtype, pages=tuple(call.pages_at_call))]
 
 
 def sweep_keys(name: str, spec: Any, *, num_heads: int, device: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """``doctor --self-check``'s keys for a DeepSeek-V4 kernel: each record it reads, on vLLM's window
     pages and C128A's 2-entry compressed pages."""
-    window_page, extra_page = SWEEP_PAGES
     return [(dict(kernel=name, phase=BOTH, kv_layout=record, num_heads=num_heads, device=device,
-                  window_page=window_page, extra_page=extra_page), dict(scale_format=None, topk=None))
+                  pages=tuple(SWEEP_PAGES)), dict(scale_format=None, topk=None))
             for record in sorted(spec.kv_cache_dtypes)]

@@ -91,7 +91,7 @@ def test_bad_calls_are_refused_naming_the_argument(bad, names):
 @pytest.mark.parametrize("heads, window_page, extra_page", [(8, 64, 64), (16, 64, 2), (64, 32, 0)])
 def test_the_self_check_passes_the_triton_kernel(heads, window_page, extra_page):
     result = selfcheck.check(bind(TRITON_DSV4), phase="both", kv_layout=layout.FP8_DSV4, num_heads=heads,
-                             window_page=window_page, extra_page=extra_page, device=CPU)
+                             pages=(window_page, extra_page), device=CPU)
     assert result.passed, result.error
 
 
@@ -103,7 +103,7 @@ def _one_percent_off(**kwargs):
 
 def test_the_self_check_fails_a_kernel_one_percent_off_on_one_token():
     result = selfcheck.check(selfcheck.engine_kernel(TRITON_DSV4, _one_percent_off), phase="both",
-                             kv_layout=layout.FP8_DSV4, num_heads=8, window_page=64, extra_page=2, device=CPU)
+                             kv_layout=layout.FP8_DSV4, num_heads=8, pages=(64, 2), device=CPU)
     assert not result.passed and "relRMS" in result.error
 
 
@@ -178,11 +178,11 @@ def test_triton_dsv4_reads_the_nvfp4_record_when_told_the_format():
 
 def test_the_self_check_runs_on_the_plans_record():
     result = selfcheck.check(bind(TRITON_DSV4), phase="both", kv_layout=layout.NVFP4_DSV4, num_heads=16,
-                             window_page=64, extra_page=2, device=CPU)
+                             pages=(64, 2), device=CPU)
     assert result.passed and result.key.kv_layout == layout.NVFP4_DSV4, result.error
     # another key: results are cached per (kernel, heads, pages, device, record)
     bad = selfcheck.check(selfcheck.engine_kernel(TRITON_DSV4, _one_percent_off), phase="both",
-                          kv_layout=layout.NVFP4_DSV4, num_heads=32, window_page=64, extra_page=2, device=CPU)
+                          kv_layout=layout.NVFP4_DSV4, num_heads=32, pages=(64, 2), device=CPU)
     assert not bad.passed and "relRMS" in bad.error
 
 
