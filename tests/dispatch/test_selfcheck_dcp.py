@@ -95,3 +95,22 @@ def test_a_wrong_lse_is_caught_at_init_under_dcp_and_served_without(registry, mo
     with pytest.raises(UnsupportedConfiguration, match=rf"(?s)given: .*dcp=2.*decode kernel {fault} failed its "
                                                        r"self-check.*supported: .*fix: "):
         selfcheck.verify(under_dcp, device="cpu", strict=True)
+
+
+@pytest.mark.parametrize("size,rank", [(2, 0), (2, 1), (4, 2)])
+def test_the_one_sink_rule_puts_a_ranks_own_sinks_on_its_own_heads(size, rank):
+    """A call's heads are the DCP group's in rank order: rank r counts the sinks of heads r*H .. r*H+H-1 (its
+    own parameter's values), every other head's sink is -inf (another rank counts it)."""
+    import torch
+
+    from mla_sm120_plugin.dispatch.dcp import DcpRank, call_sinks
+    from mla_sm120_plugin.errors import KernelInputError
+
+    own = torch.tensor([0.5, -1.0, 30.0])
+    got = call_sinks(own, DcpRank(size, rank, "e"), 3 * size)
+    want = [float("-inf")] * (3 * size)
+    want[3 * rank:3 * rank + 3] = [0.5, -1.0, 30.0]
+    assert got.tolist() == want and got.dtype == torch.float32
+    assert call_sinks(None, DcpRank(size, rank, "e"), 3 * size) is None
+    with pytest.raises(KernelInputError, match=r"sinks of shape \(3,\) for a call of 7 heads"):
+        call_sinks(own, DcpRank(size, rank, "e"), 7)
