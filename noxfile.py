@@ -29,11 +29,14 @@ nox.options.sessions = ["vllm", "vllm034", "sglang"]
 # gate's three compiles) are made once. (--dist loadgroup does not group under pytest 9.2, whose
 # nodes no longer read the _nodeid that pytest-xdist 3.8 rewrites.)
 PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadfile", "--durations=15"]
-# The engine-free suites (unit, kernels, tools) run once, in the vllm session; the other sessions run
-# their engine's suites only (vllm034 also the FlashInfer contract, its FlashInfer being 0.7.4).
+# The engine-free suites (unit, kernels, tools, dispatch) run once, in the vllm session; the other sessions
+# run their engine's suite only, vllm034 with the tests that read the installed FlashInfer (0.7.4 there:
+# its API contract, its envelope table, the binding's arguments).
+FLASHINFER_VERSIONED = ["tests/dispatch/test_flashinfer_contract.py", "tests/dispatch/test_flashinfer_table.py",
+                        "tests/dispatch/test_flashinfer_binding.py"]
 SESSIONS = {
     "vllm": dict(extras="vllm,triton,flashinfer,test,plot", paths=[]),
-    "vllm034": dict(extras="vllm034,triton,flashinfer,test", paths=["tests/vllm", "tests/dispatch"],
+    "vllm034": dict(extras="vllm034,triton,flashinfer,test", paths=["tests/vllm", *FLASHINFER_VERSIONED],
                     overrides=".ci/vllm034-overrides.txt"),
     "sglang": dict(extras="sglang,test", paths=["tests/sglang_engine"]),
 }
