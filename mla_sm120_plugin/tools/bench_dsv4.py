@@ -1,19 +1,26 @@
-"""DeepSeek-V4 decode timings on a GPU (``mla-sm120 bench --dsv4``): the plugin's Triton kernel on
-its launch plan and unsplit, and FlashInfer's SM120 kernel where it runs, side by side.
+"""DeepSeek-V4 timings on a GPU (``mla-sm120 bench --dsv4``): the plugin's Triton kernel on its launch
+plan and unsplit, and FlashInfer's SM120 kernel where it serves the shape, side by side, each row with
+the plan's modeled time and its terms, so the first timing run calibrates the model.
 
-Per shape (:data:`SHAPES`: T = 1 / 6 / 64 tokens (a decode step, an MTP verify of 1 + 5, a batch) x
-8 / 16 / 64 / 128 heads x C4A (128 window + 512 compressed candidates, 64-entry compressed pages)
-and C128A (128 + 8,192, 2-entry pages), each record) every kernel is called as vLLM calls it (FlashInfer's
-SM120 surface: NHD pages, ``[T, 1, K]`` index rows, its 128 MiB workspace, its own ``out``), and a
-row reports ``eager_us`` and ``graph_us`` (replayed from a CUDA graph), the GB/s of the minimum
-bytes (:func:`~mla_sm120_plugin.kernels.dsv4.plan.traffic`) at the graph time and its fraction of
-the copy bandwidth measured in the same run, the plan's split and modeled time, and the accuracy of
-the first tokens against float64 over the dequantized rows.
+Per shape (:data:`SHAPES`, each record, C4A (128 window + 512 compressed candidates, 64-entry
+compressed pages) and C128A (128 + 8,192, 2-entry pages)): decode steps and MTP / DSpark verifies of
+one request (T = 1, 2, 4, 6), a batched decode of 64 requests, at 8 / 16 / 32 / 64 / 128 heads;
+prefill chunks of one request (T = 512, 2,048, 8,192) at 16 and 32 heads. Every kernel is called as
+vLLM calls it (FlashInfer's SM120 surface: NHD pages, ``[T, 1, K]`` index rows, its 128 MiB
+workspace, its own ``out``; FlashInfer's decode call takes at most 64 tokens, so a prefill row has
+an ``error`` entry for it), and a row reports ``eager_us`` and ``graph_us`` (replayed from a CUDA
+graph), the GB/s of the minimum bytes (:func:`~mla_sm120_plugin.kernels.dsv4.plan.traffic`) at the
+graph time and its fraction of the copy bandwidth measured in the same run, the plan's split, its
+modeled time beside the unsplit launch's and the model's terms (:func:`~..kernels.dsv4.plan.modeled`:
+DRAM, MMA, issue, chain), and the accuracy of the first tokens against float64 over the dequantized
+rows.
 
 The caches hold :data:`FOOTPRINT_BYTES` each (512 MiB: 5x an RTX 5090's 96 MB L2, 4x an RTX PRO
-6000's 128 MB) and the ids are spread over all of it, so the bytes come from DRAM, not L2. The
-rows are a few thousand written records tiled over the pool (the kernels read bytes; repeated
-contents cost the same).
+6000's 128 MB). A batch of one-token requests has its ids spread over all of it, so its bytes come
+from DRAM; a request of several tokens reads one set of compressed rows and overlapping windows
+(consecutive slots), as the model counts it (:func:`~..kernels.dsv4.plan.request_rows`). The rows are
+a few thousand written records tiled over the pool (the kernels read bytes; repeated contents cost
+the same).
 """
 
 from __future__ import annotations
@@ -27,12 +34,24 @@ from mla_sm120_plugin.kernels.accuracy import measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack, plan
 from mla_sm120_plugin.kernels.dsv4.reference import dsv4_attention_reference
 
-TOKENS = (1, 6, 64)
-HEADS = (8, 16, 64, 128)
+DECODE_TOKENS = (1, 2, 4, 6, 64)  # a decode step, MTP / DSpark verifies of one request, a batch of 64
+DECODE_HEADS = (8, 16, 32, 64, 128)
+PREFILL_TOKENS = (512, 2048, 8192)  # prefill chunks of one request
+PREFILL_HEADS = (16, 32)
 WINDOW, WINDOW_PAGE = 128, 64
 KINDS = {"c4a": (512, 64), "c128a": (8192, 2)}  # kind -> (compressed candidates, compressed page)
 RECORDS = (layout.FP8_DSV4, layout.NVFP4_DSV4)
-SHAPES = [(record, kind, t, h) for record in RECORDS for kind in KINDS for t in TOKENS for h in HEADS]
+
+
+def requests_of(tokens: int) -> int:
+    """Requests a shape's tokens are: T = 64 is a batched decode of one token a request, every other
+    shape one request (a decode step, a verify, a prefill chunk)."""
+    return tokens if tokens == 64 else 1
+
+
+SHAPES = [(record, kind, t, h) for record in RECORDS for kind in KINDS
+          for t, heads in ((t, DECODE_HEADS) for t in DECODE_TOKENS) for h in heads] + [
+    (record, kind, t, h) for record in RECORDS for kind in KINDS for t in PREFILL_TOKENS for h in PREFILL_HEADS]
 FOOTPRINT_BYTES = 512 << 20
 WORKSPACE_BYTES = 128 << 20  # what vLLM hands the call (FlashInfer's DeepSeek-V4 workspace)
 REFERENCE_TOKENS = 2  # tokens checked against float64 a shape
@@ -43,7 +62,8 @@ _MEASURES = (
     "graph_us: triton.testing.do_bench_cudagraph, the call replayed from a CUDA graph",
     "gbps: the minimum bytes (cache rows + ids + q + out, once: kernels/dsv4/plan.traffic) / graph time",
     "fraction_of_copy_bandwidth: gbps / copy_gbps (1 GiB device copy, read + written, this run)",
-    "modeled_us: the plan's model (max(bytes / the family's bandwidth, step chain x 1 us)), plan and unsplit",
+    "modeled_us: the plan's model (kernels/dsv4/plan.modeled: max(DRAM, the step chain)), plan and unsplit",
+    "model: the plan's terms, µs: dram_us, mma_us, issue_us, chain_us, modeled_us, bound, ratio",
     "cos_diff, rel_rms: the first tokens against float64 attention over the dequantized rows",
 )
 
@@ -61,20 +81,33 @@ def _pool(record: layout.Dsv4Record, page_size: int, device: str, footprint: int
     return view, pages * page_size
 
 
+def _index_rows(tokens: int, width: int, slots: int, gen: torch.Generator, one_request: bool,
+                window: bool) -> torch.Tensor:
+    """``[T, 1, width]`` slot ids: one request's (a window of consecutive slots moving a slot a token;
+    one compressed row for every token) or, else, each token's own, spread over the pool."""
+    if not one_request:
+        return torch.randint(0, slots, (tokens, 1, width), generator=gen, dtype=torch.int32)
+    if window:
+        start = int(torch.randint(0, slots - tokens - width, (1,), generator=gen))
+        return (start + torch.arange(tokens)[:, None] + torch.arange(width)[None, :]).to(torch.int32)[:, None]
+    return torch.randint(0, slots, (1, 1, width), generator=gen, dtype=torch.int32).expand(tokens, 1, width).clone()
+
+
 def build(record_name: str, kind: str, tokens: int, heads: int, device: str,
-          footprint: int = FOOTPRINT_BYTES, seed: int = 0) -> dict[str, Any]:
-    """One shape's call on FlashInfer's SM120 surface: full index rows spread over both pools."""
+          footprint: int = FOOTPRINT_BYTES, seed: int = 0, requests: int | None = None) -> dict[str, Any]:
+    """One shape's call on FlashInfer's SM120 surface: full index rows over both pools, each token's
+    own (``requests`` None or T) or, for one request, shared as :func:`_index_rows` makes them."""
     record = layout.RECORDS[record_name]
     compressed, extra_page = KINDS[kind]
     gen = torch.Generator().manual_seed(seed)
     swa, swa_slots = _pool(record, WINDOW_PAGE, device, footprint, gen)
     extra, extra_slots = _pool(record, extra_page, device, footprint, gen)
     q = (torch.randn(tokens, heads, layout.HEAD_DIM, generator=gen) / 4).to(torch.bfloat16)
+    one = requests == 1 and tokens > 1
     return dict(
         query=q.to(device), swa_kv_cache=swa, compressed_kv_cache=extra,
-        sparse_indices=torch.randint(0, swa_slots, (tokens, 1, WINDOW), generator=gen, dtype=torch.int32).to(device),
-        extra_sparse_indices=torch.randint(0, extra_slots, (tokens, 1, compressed), generator=gen,
-                                           dtype=torch.int32).to(device),
+        sparse_indices=_index_rows(tokens, WINDOW, swa_slots, gen, one, True).to(device),
+        extra_sparse_indices=_index_rows(tokens, compressed, extra_slots, gen, one, False).to(device),
         swa_topk_lens=torch.full((tokens,), WINDOW, dtype=torch.int32, device=device),
         extra_sparse_topk_lens=torch.full((tokens,), compressed, dtype=torch.int32, device=device),
         sinks=torch.randn(heads, generator=gen).to(device), bmm1_scale=layout.HEAD_DIM ** -0.5, kv_layout="NHD",
@@ -134,28 +167,30 @@ def _time(fn: Callable[[], Any], minimum_bytes: int, copy_gbps: float) -> dict[s
 
 def shape_row(record_name: str, kind: str, tokens: int, heads: int, device: str, family: str,
               copy_gbps: float | None, footprint: int = FOOTPRINT_BYTES,
-              workspace: torch.Tensor | None = None) -> dict[str, Any]:
+              workspace: torch.Tensor | None = None, requests: int | None = None) -> dict[str, Any]:
     """One shape: each of :func:`callables` checked against float64 and (with ``copy_gbps``) timed;
-    ``workspace``: the uint8 bytes vLLM would pass the call (None: the kernels allocate)."""
+    ``workspace``: the uint8 bytes vLLM would pass the call (None: the kernels allocate);
+    ``requests``: how many requests the tokens are (None: :func:`requests_of`)."""
     record = layout.RECORDS[record_name]
     compressed, _ = KINDS[kind]
-    inputs = build(record_name, kind, tokens, heads, device, footprint)
+    requests = requests_of(tokens) if requests is None else requests
+    inputs = build(record_name, kind, tokens, heads, device, footprint, requests=requests)
     n_ref = min(tokens, REFERENCE_TOKENS)
     want = reference(inputs, n_ref)
     out = torch.empty_like(inputs["query"])
     cfg = plan.launch_config(record, tokens, heads, WINDOW, compressed, family)
     shape = plan.shape_of(record)
     ctas = shape.ctas_per_sm[family]
-    minimum = plan.traffic(cfg, tokens, heads, WINDOW, compressed, record).minimum
+    minimum = plan.traffic(cfg, tokens, heads, WINDOW, compressed, record, family, requests).minimum
+    model = plan.modeled(cfg, plan.FAMILIES[family], tokens, heads, WINDOW, compressed, ctas, record, requests)
     row: dict[str, Any] = dict(
-        record=record_name, kind=kind, num_tokens=tokens, num_heads=heads,
+        record=record_name, kind=kind, num_tokens=tokens, num_heads=heads, requests=requests,
         candidates=dict(window=WINDOW, compressed=compressed), minimum_bytes=minimum,
-        num_splits=cfg.num_splits, chunk=cfg.chunk(WINDOW + compressed),
-        modeled_us=dict(plan=plan.modeled(cfg, plan.FAMILIES[family], tokens, heads, WINDOW, compressed, ctas,
-                                          record)["modeled_us"],
-                        unsplit=plan.modeled(shape.config, plan.FAMILIES[family], tokens, heads, WINDOW, compressed,
-                                             ctas, record)["modeled_us"]),
-        kernels={})
+        num_splits=cfg.num_splits, chunk=cfg.chunk(WINDOW, compressed),
+        modeled_us=dict(plan=model["modeled_us"],
+                        unsplit=plan.modeled(shape.config, plan.FAMILIES[family], tokens, heads, WINDOW,
+                                             compressed, ctas, record, requests)["modeled_us"]),
+        model=model, kernels={})
     for label, fn in callables(inputs, out, workspace).items():
         entry: dict[str, Any] = {}
         try:

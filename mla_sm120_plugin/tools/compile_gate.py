@@ -13,7 +13,8 @@ are served only on other arches, :data:`SERVED_ONLY_ON`), within a block's share
 variants on sm_120a/121a run their latent dots as ``QMMA.SF`` and fit the CTAs per SM the launch
 plan assumes, under the bundled ptxas and a CUDA >= 13 one (:func:`system_ptxas`); on sm_120a/121a
 every streaming kernel keeps a DRAM latency's bytes in flight per SM (CTAs x candidates a step x
-row bytes x (stages - 1, at least 1) >= :func:`latency_bytes_per_sm`). Used by
+row bytes x (stages - 1, at least 1) >= :func:`latency_bytes_per_sm`), and every DeepSeek-V4
+variant's loop costs what its plan's model counts (:func:`dsv4_model_failures`). Used by
 ``mla-sm120 bench --compile-only --arch 120 --json`` and by the test suite. More:
 docs/kernels.md, section ``tools/compile_gate.py``.
 """
@@ -240,11 +241,42 @@ def _bundled_tool(name: str) -> str:
 _RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 # An instruction line of nvdisasm -c: /*0420*/  [@[!]P0]  OPCODE.MODIFIERS operands ;
 _SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def _longest_loop(sass: str) -> tuple[int, dict[str, int]]:
+    """The longest loop body of ``nvdisasm -c`` text (from a label to a branch back to it): its
+    instructions (a thread's, one iteration) and its MMAs by kind; ``(0, {})`` where there is none.
+    A kernel's inner loop, whose instructions a step costs, is its longest."""
+    body: list[str] = []
+    at: dict[str, int] = {}
+    best: tuple[int, dict[str, int]] = (0, {})
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            at[label.group(1)] = len(body)
+            continue
+        op = _SASS_OPCODE.search(line)
+        if op is None:
+            continue
+        body.append(op.group(1))
+        target = _SASS_TARGET.search(line)
+        if op.group(1).startswith("BRA") and target and target.group(1) in at:
+            loop = body[at[target.group(1)]:]
+            if len(loop) > best[0]:
+                mma: dict[str, int] = {}
+                for name in loop:
+                    if "MMA" in name.split(".")[0]:
+                        mma[name] = mma.get(name, 0) + 1
+                best = (len(loop), dict(sorted(mma.items())))
+    return best
 
 
 def _cubin_readings(cubin: bytes) -> dict[str, Any]:
     """Registers, stack, static shared memory (``cuobjdump -res-usage``), SASS MMA kinds and
-    global-load kinds with their counts (``nvdisasm -c``), from the cubin Triton built."""
+    global-load kinds with their counts, and the longest loop's instructions and MMAs
+    (:func:`_longest_loop`; ``nvdisasm -c``), from the cubin Triton built."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
@@ -266,9 +298,11 @@ def _cubin_readings(cubin: bytes) -> dict[str, Any]:
             mma[name] = mma.get(name, 0) + 1
         elif name.startswith(("LDG", "LDGSTS")) and not name.startswith("LDGDEPBAR"):
             loads[name] = loads.get(name, 0) + 1
+    loop_instructions, loop_mma = _longest_loop(sass.stdout)
     return dict(cubin_registers=int(found.group(1)), cubin_stack_bytes=int(found.group(2)),
                 static_shared_bytes=int(found.group(3)), local_bytes=int(found.group(4)),
-                mma=dict(sorted(mma.items())), global_loads=dict(sorted(loads.items())))
+                mma=dict(sorted(mma.items())), global_loads=dict(sorted(loads.items())),
+                loop_instructions=loop_instructions, loop_mma=loop_mma)
 
 
 def ctas_per_sm(arch: int, registers: int, warps: int, shared_bytes: int) -> tuple[int, str]:
@@ -295,8 +329,8 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
     row: dict[str, Any] = dict(variant=_describe(launch.describe), compiled=False, registers=None,
                                spill_bytes=None, spill_load_bytes=None, stack_bytes=None, shared_bytes=None,
                                ctas_per_sm=None, ctas_limited_by=None, step_bytes=None, bytes_in_flight=None,
-                               mma=None, global_loads=None,
-                               error=None, **launch.describe)
+                               mma=None, global_loads=None, loop_instructions=None, loop_mma=None,
+                               instructions_per_candidate=None, error=None, **launch.describe)
     try:
         signature, consts, attrs = _specialize(launch.kernel, list(launch.args), launch.constexprs, arch)
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
@@ -317,6 +351,10 @@ def compile_launch(launch: Any, arch: int) -> dict[str, Any]:
         row["step_bytes"] = step_bytes(launch.describe)
         if row["step_bytes"] is not None:
             row["bytes_in_flight"] = row["ctas_per_sm"] * row["step_bytes"] * max(1, launch.num_stages - 1)
+        candidates = launch.describe.get("block_n") or launch.describe.get("block_k")
+        if candidates and row["loop_instructions"]:
+            # warp instructions a candidate: a step's loop body, in every warp, over its candidates
+            row["instructions_per_candidate"] = round(row["loop_instructions"] * launch.num_warps / candidates, 1)
         row["compiled"] = True
     except Exception as exc:  # noqa: BLE001 - a variant that does not compile is what this reports
         row["error"] = f"{type(exc).__name__}: {str(exc).strip()[-800:]}"
@@ -341,6 +379,8 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{r['variant']}: {r.get('bytes_in_flight')} B in flight per SM ({r['ctas_per_sm']} CTA x "
                             f"{r.get('step_bytes')} B a step) < {latency_bytes_per_sm(arch):.0f} B, what the GPU moves "
                             f"per SM in one DRAM latency (limited by {r['ctas_limited_by']})")
+        if r["kernel"] == DSV4_KERNEL and arch in FP8_MMA_ARCHES:
+            failures += dsv4_model_failures(r)
         if r["kernel"] == FAST_KERNEL and arch in FP8_MMA_ARCHES:
             qmma = {kind for kind in r["mma"] if kind.startswith("QMMA")}
             if qmma != {FP8_MMA_KIND}:
@@ -349,6 +389,30 @@ def gate_failures(arch: int, rows: list[dict[str, Any]]) -> list[str]:
             if r["ctas_per_sm"] < planned:
                 failures.append(f"{r['variant']}: {r['ctas_per_sm']} CTA per SM (< {planned}, what the launch "
                                 f"plan sizes its waves with; limited by {r['ctas_limited_by']})")
+    return failures
+
+
+# How far a DeepSeek-V4 variant's loop may run past the instructions its plan's model counts (the
+# model takes the costliest variant's; an unrelated edit moves a loop by a few instructions).
+DSV4_INSTRUCTION_SLACK = 0.02
+
+
+def dsv4_model_failures(row: dict[str, Any]) -> list[str]:
+    """Where a compiled DeepSeek-V4 variant costs more than its plan's model counts
+    (:class:`~..kernels.dsv4.plan.Compiled`): its loop's MMAs, by kind, times the warps must be the
+    model's a step, and its loop's instructions times the warps at most the model's (within
+    :data:`DSV4_INSTRUCTION_SLACK`), so the modeled times are the compiled code's."""
+    from mla_sm120_plugin.kernels.dsv4 import plan as dsv4_plan
+
+    compiled = dsv4_plan.SHAPES[row["record"]].compiled
+    warps = row["warps"]
+    failures = []
+    mma = {kind: count * warps for kind, count in (row.get("loop_mma") or {}).items()}
+    if mma != compiled.mma:
+        failures.append(f"{row['variant']}: its loop's MMAs x {warps} warps are {mma}, the model counts {compiled.mma}")
+    if (row.get("loop_instructions") or 0) * warps > compiled.instructions * (1 + DSV4_INSTRUCTION_SLACK):
+        failures.append(f"{row['variant']}: its loop is {row['loop_instructions']} x {warps} warp instructions a step, "
+                        f"the model counts {compiled.instructions}")
     return failures
 
 

@@ -102,10 +102,15 @@ def test_plot_draws_both_ceilings(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_dsv4_shapes_are_the_ones_the_split_issue_names():
+def test_dsv4_shapes_are_the_ones_the_issues_name():
+    """The split issue's (T = 1 / 6 / 64 x 8 / 16 / 64 / 128 heads) and issue 51's: verifies of one
+    request (T = 2-6), a batched decode (T = 64), prefill chunks (T = 512-8192) at 16 and 32 heads."""
     from mla_sm120_plugin.tools import bench_dsv4
 
-    assert {(t, h) for _, _, t, h in bench_dsv4.SHAPES} == {(t, h) for t in (1, 6, 64) for h in (8, 16, 64, 128)}
+    shapes = {(t, h) for _, _, t, h in bench_dsv4.SHAPES}
+    assert shapes >= {(t, h) for t in (1, 6, 64) for h in (8, 16, 64, 128)}
+    assert shapes >= {(t, h) for t in (2, 4, 6, 64, 512, 2048, 8192) for h in (16, 32)}
+    assert [bench_dsv4.requests_of(t) for t in (1, 6, 64, 512)] == [1, 1, 64, 1]
     assert {kind: (bench_dsv4.WINDOW, c) for kind, (c, _) in bench_dsv4.KINDS.items()} == {
         "c4a": (128, 512), "c128a": (128, 8192)}
     assert {r for r, *_ in bench_dsv4.SHAPES} == {"fp8_dsv4", "nvfp4_dsv4"}
@@ -115,13 +120,16 @@ def test_dsv4_shapes_are_the_ones_the_split_issue_names():
 @pytest.mark.parametrize("record", ["fp8_dsv4", "nvfp4_dsv4"])
 def test_dsv4_bench_rows_run_what_they_time_and_check_it(record):
     """The CPU run of one row (no timings): the plan and the unsplit kernel on the bench's own inputs
-    (full rows spread over the pools) match float64; FlashInfer's kernel, which cannot run here, is
-    an error in its entry, not a failure of the row."""
+    (a verify of one request: full rows, its windows overlapping, one compressed row) match float64,
+    the row carrying the model's terms; FlashInfer's kernel, which cannot run here, is an error in its
+    entry, not a failure of the row."""
     from mla_sm120_plugin.tools import bench_dsv4
 
     row = json.loads(json.dumps(bench_dsv4.shape_row(record, "c4a", 2, 8, "cpu", "sm120", None, footprint=1 << 20)))
-    assert row["num_splits"] >= 1 and row["minimum_bytes"] > 0
-    assert row["modeled_us"]["plan"] <= row["modeled_us"]["unsplit"]
+    assert row["num_splits"] >= 1 and row["minimum_bytes"] > 0 and row["requests"] == 1
+    assert row["modeled_us"]["plan"] <= row["modeled_us"]["unsplit"] and row["model"]["modeled_us"] == row[
+        "modeled_us"]["plan"]
+    assert {"dram_us", "mma_us", "issue_us", "chain_us", "bound", "ratio"} <= set(row["model"])
     for label in ("plan", "unsplit"):
         entry = row["kernels"][label]
         assert "error" not in entry, entry

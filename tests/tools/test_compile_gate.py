@@ -182,6 +182,33 @@ def test_the_plan_assumes_no_more_ctas_per_sm_than_compiled(gate):
         assert min(v["ctas_per_sm"] for v in rows) >= shape.ctas_per_sm[family], rows
 
 
+# Issue 51's "before": warp instructions a candidate of the DeepSeek-V4 kernel's loop on sm_120a
+# (16 heads, 16 candidates a step, one stage; fp8 4 warps, NVFP4 8), from the compile gate of the
+# parent commit: the compiled code now costs what the plan's model counts, well under these.
+DSV4_BEFORE_PER_CANDIDATE = {"fp8_dsv4": 283.5, "nvfp4_dsv4": 724.5}
+
+
+def test_dsv4_variants_cost_what_the_model_counts(gate):
+    """Every DeepSeek-V4 variant: on sm_120a / sm_121a its loop issues the MMAs the plan's model
+    counts a step (:class:`~mla_sm120_plugin.kernels.dsv4.plan.Compiled`; f16 and bf16 HMMA, 8 a
+    candidate at 16 heads: no warp repeats another's) and at most its instructions (32 candidates a
+    step), at two CTAs an SM; on every arch, no spill."""
+    rows = [v for v in gate["variants"] if v["kernel"] == compile_gate.DSV4_KERNEL]
+    assert len(rows) == 8, [v["variant"] for v in rows]
+    for v in rows:
+        assert v["spill_bytes"] == v["stack_bytes"] == 0, v
+        if gate["arch"] not in compile_gate.FP8_MMA_ARCHES:
+            continue
+        shape = dsv4_plan.SHAPES[v["record"]]
+        assert {k: n * v["warps"] for k, n in v["loop_mma"].items()} == shape.compiled.mma, v
+        assert all(k.startswith("HMMA.16816.F32") for k in v["loop_mma"]), v
+        most = shape.compiled.instructions * (1 + compile_gate.DSV4_INSTRUCTION_SLACK)
+        assert v["loop_instructions"] * v["warps"] <= most and v["instructions_per_candidate"] <= most / 32, v
+        assert v["instructions_per_candidate"] < 0.8 * DSV4_BEFORE_PER_CANDIDATE[v["record"]], v
+        assert v["ctas_per_sm"] >= 2, v
+    assert compile_gate.dsv4_model_failures({**rows[0], "loop_instructions": 10**6})  # the rule can fail
+
+
 def test_every_streaming_variant_states_its_bytes_in_flight(gate):
     """CTAs x candidates a step x row bytes x (stages - 1, at least 1): on SM12x at least what an SM
     of the family's part moves in one DRAM latency (RTX 5090: 1792 GB/s / 170 SMs x 1 us)."""

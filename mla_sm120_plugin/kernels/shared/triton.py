@@ -63,12 +63,33 @@ def round_bf16(x):
 def dot(a, b, DOT_BF16: tl.constexpr):
     """fp32-accumulated a @ b with bf16 operands: with ``DOT_BF16`` (a GPU) the operands are cast
     (round to nearest even) and multiplied by the tensor cores; without (the interpreter, whose bf16
-    dot multiplies raw bits) they are rounded the same way (:func:`round_bf16`) and multiplied in
-    fp32, which is the same result (bf16 x bf16 products are exact in fp32)."""
+    dot multiplies raw bits) they are rounded the same way (:func:`round_bf16`; a bf16 operand is
+    already) and multiplied in fp32, which is the same result (bf16 x bf16 products are exact in
+    fp32)."""
     if DOT_BF16:
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
     else:
-        c = tl.dot(round_bf16(a.to(tl.float32)), round_bf16(b.to(tl.float32)), out_dtype=tl.float32)
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        else:
+            a = round_bf16(a.to(tl.float32))
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+        else:
+            b = round_bf16(b.to(tl.float32))
+        c = tl.dot(a, b, out_dtype=tl.float32)
+    return c
+
+
+@triton.jit
+def dot_f16(a, b, DOT_BF16: tl.constexpr):
+    """fp32-accumulated a @ b with f16 operands (for values exact in f16: every product is then
+    exact in fp32): on a GPU (``DOT_BF16``) the tensor cores' f16 MMA, at the bf16 rate; under the
+    interpreter the operands rounded to f16 and multiplied in fp32."""
+    if DOT_BF16:
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+    else:
+        c = tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), out_dtype=tl.float32)
     return c
 
 
