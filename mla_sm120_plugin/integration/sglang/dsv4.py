@@ -98,7 +98,7 @@ def scratch_for(device: Any) -> Any:
 
     SGLang's call passes no workspace, and a CUDA graph captured around an allocation replays into
     memory the allocator may since have handed out; so the most any planned call needs
-    (:func:`~mla_sm120_plugin.kernels.dsv4.plan.scratch_bound`, about 22 MB) is allocated once, at
+    (:func:`~mla_sm120_plugin.kernels.dsv4.plan.scratch_bound`, about 52 MB) is allocated once, at
     backend init (before capture), outside inference mode (an inference tensor cannot be written
     by a later call made outside it).
     """
