@@ -3,7 +3,8 @@
 Without a GPU, Triton kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must be set
 before triton is first imported (vLLM imports it too), so it is set here, before any test module.
 Whether there is a GPU is torch's answer, the same one the kernel tests take their device from
-(helpers.ON_GPU): a stray or broken ``nvidia-smi`` on PATH changes neither.
+(support.kernel_checks.ON_GPU): a stray or broken ``nvidia-smi`` on PATH changes neither. torch itself
+is optional here: the torch-free unit tests (and the torch-free helpers, tests/support/) run without it.
 
 Hypothesis: ``--hypothesis-profile=ci`` (what .ci/run passes) derandomizes every property test, so
 CI sees the same examples on every run; without it, each local run explores new ones.
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import os
 
-import torch
+try:
+    import torch
+except ImportError:  # a torch-free install runs the torch-free tests only: no kernel, nothing to interpret
+    torch = None
 
-if not torch.cuda.is_available():
+if torch is None or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil  # noqa: E402
@@ -82,15 +86,15 @@ def noscale_plugin_path(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_case():
-    """:func:`kernel_cases.build_case`: a random cache in any layout with its candidates and q."""
-    from kernel_cases import build_case
+    """:func:`support.kernel_cases.build_case`: a random cache in any layout with its candidates and q."""
+    from support.kernel_cases import build_case
 
     return build_case
 
 
 @pytest.fixture
 def make_paged_cache():
-    """:func:`kernel_cases.paged_cache`: a zeroed cache, optionally page-strided."""
-    from kernel_cases import paged_cache
+    """:func:`support.kernel_cases.paged_cache`: a zeroed cache, optionally page-strided."""
+    from support.kernel_cases import paged_cache
 
     return paged_cache

@@ -17,7 +17,7 @@ from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
-from layout_oracle import dsv4_oracle_attention as oracle_attention
+from support.layout_oracle import dsv4_oracle_attention as oracle_attention
 
 REC = layout.FP8_RECORD
 CPU = torch.device("cpu")

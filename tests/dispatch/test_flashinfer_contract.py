@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env
+from support.cli import clean_env
 
 pytest.importorskip(
     "flashinfer", reason="flashinfer-python is not installed (pip install mla-sm120-plugin[flashinfer])"

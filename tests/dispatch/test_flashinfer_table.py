@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env
+from support.cli import clean_env
 
 from mla_sm120_plugin.dispatch import catalog, flashinfer_table
 from mla_sm120_plugin.dispatch import flashinfer as fi_binding

@@ -7,7 +7,8 @@ import functools
 import pytest
 import torch
 
-from helpers import DEVICE, assert_kernel_close, assert_three_parts
+from support.cli import assert_three_parts
+from support.kernel_checks import DEVICE, assert_kernel_close
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin import sparse_mla_forward
@@ -129,7 +130,7 @@ def test_integer_sm_scale_is_accepted(good):
 def test_auto_asks_the_selection_and_agrees_with_the_reference(good, monkeypatch):
     import os
 
-    from helpers import KERNEL_REL_TOL
+    from support.kernel_checks import KERNEL_REL_TOL
 
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import DEVICE, demo_plugins_except
+from support.cli import demo_plugins_except
+from support.kernel_checks import DEVICE
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import get_registry, reset_registry
 from mla_sm120_plugin.kernels.dsa import layout
@@ -97,7 +98,7 @@ def test_unknown_mode_is_refused(monkeypatch):
 def _doctor_checks(**kwargs):
     import json
 
-    from helpers import run_cli
+    from support.cli import run_cli
 
     done = run_cli("doctor", "--self-check", "--json", **kwargs)
     return done, json.loads(done.stdout)["self_check"]

@@ -1,5 +1,5 @@
 """The init self-check proves what a decode-context-parallel engine reads (issue 50): a kernel whose LSE is
-wrong in one way (tests/faulty_lse_kernels.py: base 2 asked e, the sink always in, NaN for an empty row,
+wrong in one way (tests/support/faulty_lse_kernels.py: base 2 asked e, the sink always in, NaN for an empty row,
 topk_length ignored), registered through the plugin's hook for third-party kernels at the highest priority, is
 fallen back from (or, strict, refused) at init under DCP, naming why, and is served where no LSE is read
 (vLLM without DCP, whose call passes no lengths).
@@ -12,8 +12,8 @@ built-in kernels are blocked so that the alternate is the plugin's honest refere
 from __future__ import annotations
 
 import pytest
-from faulty_lse_kernels import FAULTY
-from model_configs import write_model
+from support.faulty_lse_kernels import FAULTY
+from support.model_configs import write_model
 
 from mla_sm120_plugin.dispatch import selfcheck
 from mla_sm120_plugin.errors import UnsupportedConfiguration
@@ -32,7 +32,7 @@ CAUGHT = {
 
 def _spec(name: str, priority: int) -> KernelSpec:
     return KernelSpec(name=name, phases=frozenset({PREFILL, DECODE}), kv_cache_dtypes=frozenset({"fp8_ds_mla"}),
-                      vendors=frozenset({"nvidia", "cpu"}), entry=f"faulty_lse_kernels:{name}", priority=priority,
+                      vendors=frozenset({"nvidia", "cpu"}), entry=f"support.faulty_lse_kernels:{name}", priority=priority,
                       sinks=True, returns_lse=True, accuracy=EXACT_CLASS_BOUND,
                       tolerance=EXACT_CLASS_BOUND.max_rel)
 

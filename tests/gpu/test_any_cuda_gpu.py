@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (any: an H200 or an RTX 50xx); this machine has none")
 
-from helpers import assert_kernel_close  # noqa: E402
+from support.kernel_checks import assert_kernel_close  # noqa: E402
 
 from mla_sm120_plugin.errors import KernelUnavailable  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import layout, pack

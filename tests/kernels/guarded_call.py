@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: helpers, the case builder
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the support package
 
 import torch  # noqa: E402
 
-from kernel_cases import build_case  # noqa: E402
-from helpers import KERNEL_REL_TOL, against_guard_page, assert_kernel_close  # noqa: E402
+from support.kernel_cases import build_case  # noqa: E402
+from support.kernel_checks import KERNEL_REL_TOL, against_guard_page, assert_kernel_close  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import triton as tk  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf  # noqa: E402
 from mla_sm120_plugin.kernels.dsa import plan  # noqa: E402

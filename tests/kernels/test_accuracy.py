@@ -1,6 +1,6 @@
 """Accuracy in FlashMLA's metrics: every kernel against float64 attention over the dequantized rows.
 
-The truth is tests/layout_oracle.py (an independent byte reader, float64 attention), so only a
+The truth is tests/support/layout_oracle.py (an independent byte reader, float64 attention), so only a
 kernel's own arithmetic counts. Each kernel is held to the bound its spec declares
 (``KernelSpec.accuracy``: cos_diff, relRMS, max error; exact class is cos_diff <= 5e-6 and relRMS
 <= 0.3 %), in the anchors' regimes (docs/facts.md#accuracy-metrics-and-regimes; mla_sm120_plugin.tools.accuracy_cases:
@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import layout_oracle
-from helpers import DEVICE
+from support import layout_oracle
+from support.kernel_checks import DEVICE
 from mla_sm120_plugin.dispatch import catalog
 from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, measure
 from mla_sm120_plugin.kernels.dsa import layout, pack

@@ -5,7 +5,7 @@ DeepSeek-V4 plan at one token takes more than 32 ranges (C4A 40, C128A 192), so 
 accumulated sum and output by ``exp2(old max - new max)`` between steps is a production path. Here
 each family's kernels are forced past one step and past two, each with a partial last step
 (40 = 32 + 8 and 72 = 32 + 32 + 8 splits), and compared with float64 attention over the
-dequantized rows (tests/layout_oracle.py's byte readers) at the kernel's declared bound (exact
+dequantized rows (tests/support/layout_oracle.py's byte readers) at the kernel's declared bound (exact
 class: cos_diff <= 5e-6, relRMS <= 0.3 %):
 
 * ``peaked``: q ~ N(0, 1) with DeepSeek-V3.2's softmax scale 0.135 (docs/facts.md, the peaked
@@ -30,8 +30,8 @@ import functools
 import pytest
 import torch
 
-import layout_oracle
-from helpers import DEVICE
+from support import layout_oracle
+from support.kernel_checks import DEVICE
 from mla_sm120_plugin.dispatch import catalog
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsa import layout as dsa_layout

@@ -1,6 +1,6 @@
 """DeepSeek-V4's 384-byte NVFP4 record (FlashInfer's ``kv_cache_format="nvfp4"``): the packer against
 FlashInfer's documented writer formula written again value by value in Python floats
-(tests/layout_oracle.py ``encode_dsv4_nvfp4_row``: FlashInfer's writers are CUDA-only), the
+(tests/support/layout_oracle.py ``encode_dsv4_nvfp4_row``: FlashInfer's writers are CUDA-only), the
 dequantization against a reader of the bytes, and the torch reference on NVFP4 caches against the
 float64 oracle. Edge values: all-zero groups, ties of the e2m1 rounding, saturation, tiny amax
 (a scale that rounds to 0 or to an e4m3 subnormal), negative zero, the 4 zero footer bytes."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layout_oracle import dsv4_oracle_attention, dsv4_oracle_row, encode_dsv4_nvfp4_row
+from support.layout_oracle import dsv4_oracle_attention, dsv4_oracle_row, encode_dsv4_nvfp4_row
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
 from mla_sm120_plugin.kernels.dsv4.reference import dsv4_attention_reference

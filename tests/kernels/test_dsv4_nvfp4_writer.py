@@ -1,5 +1,5 @@
 """The writers of DeepSeek-V4's 384-byte NVFP4 record (kernels/dsv4/nvfp4_writer.py), under Triton's
-interpreter: every byte they store is FlashInfer's documented record (tests/layout_oracle.py
+interpreter: every byte they store is FlashInfer's documented record (tests/support/layout_oracle.py
 ``encode_dsv4_nvfp4_row``, in Python floats) of the row the layer math gives (docs/facts.md#deepseek-v4: GPT-J rope
 in fp32 on the last 64 values, bf16; the compressor's per-value softmax over its saved states, RMS
 norm with its weight, rope at the block's first position), slots < 0 or past the cache are skipped
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layout_oracle import dsv4_compressed_row, dsv4_nvfp4_entry, dsv4_roped_bf16, encode_dsv4_nvfp4_row
+from support.layout_oracle import dsv4_compressed_row, dsv4_nvfp4_entry, dsv4_roped_bf16, encode_dsv4_nvfp4_row
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsv4 import nvfp4_writer
 

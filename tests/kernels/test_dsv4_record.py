@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from layout_oracle import bf16, dsv4_oracle_attention as oracle_attention, dsv4_oracle_row as oracle_row, e4m3_byte, e4m3fn
+from support.layout_oracle import bf16, dsv4_oracle_attention as oracle_attention, dsv4_oracle_row as oracle_row, e4m3_byte, e4m3fn
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from layout_oracle import dsv4_oracle_attention as oracle_attention
+from support.layout_oracle import dsv4_oracle_attention as oracle_attention
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack, plan
 from mla_sm120_plugin.kernels.shared.host import cdiv
@@ -292,7 +292,7 @@ def _engine_call(record, splits, workspace):
 def test_a_call_on_the_engines_buffers_allocates_nothing(record_name):
     """Split, with the engine's workspace and ``out``: no torch op in the call makes new storage; the
     same call without the workspace allocates its partials (the counter sees an allocation)."""
-    from helpers import CountingAllocator
+    from support.kernel_checks import CountingAllocator
 
     record = RECORDS[record_name]
     fn, kwargs = _engine_call(record, 3, torch.zeros(plan.scratch_bound(), dtype=torch.uint8))

@@ -3,7 +3,7 @@
 ``fp8_ds_mla_nope`` (vLLM: 656-byte rows, [528, 656) reserved zeros), ``fp8_nope`` (SGLang: packed
 528-byte rows) and ``bf16_nope`` (512 x bf16): q and keys are the 512-wide latent, V the latent.
 
-Ground truth is tests/layout_oracle.py: the packer's bytes are read back by its independent decoder
+Ground truth is tests/support/layout_oracle.py: the packer's bytes are read back by its independent decoder
 (struct and integer arithmetic), and every kernel - the torch reference, the exact Triton kernel,
 the fast fp8 one - is compared with float64 attention over the keys that decoder reads from the
 cache bytes. Cases are the engines': vLLM's 2176-wide -1-padded index rows (round_up(2048 + 3,
@@ -20,12 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import layout_oracle
 import numpy
 import pytest
 import torch
 
-from helpers import BF16_ULP, DEVICE, KERNEL_REL_TOL, ON_GPU, assert_three_parts, clean_env, scaled_atol
+from support import layout_oracle
+from support.cli import assert_three_parts, clean_env
+from support.kernel_checks import BF16_ULP, DEVICE, KERNEL_REL_TOL, ON_GPU, scaled_atol
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin import sparse_mla_forward

@@ -1,5 +1,5 @@
 """nvfp4_ds_mla (352-byte rows): the packer against vLLM's writer formula written again in
-tests/layout_oracle.py (Python floats and bit fields; vLLM's writer needs an sm_100a/sm_120a GPU for
+tests/support/layout_oracle.py (Python floats and bit fields; vLLM's writer needs an sm_100a/sm_120a GPU for
 its ``cvt.rn.satfinite.e2m1x2.f32``, so it cannot run here), the dequantizer and the torch reference
 against the oracle's decoder and float64 attention."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import functools
 
-import layout_oracle
 import pytest
 import torch
 
-from helpers import KERNEL_REL_TOL
+from support import layout_oracle
+from support.kernel_checks import KERNEL_REL_TOL
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa import triton as tk
@@ -157,7 +157,7 @@ def _adversarial(nv_case, name):
 def test_kernels_match_float64_attention_over_the_oracles_rows(nv_case, name, kernel):
     """The torch reference and the exact Triton kernel (split-K decode path, forced, so partials and
     the combine run) against float64 attention over the rows the oracle decodes. Tolerance:
-    :data:`helpers.KERNEL_REL_TOL` of the output's magnitude for the Triton kernel (its dot operands
+    :data:`support.kernel_checks.KERNEL_REL_TOL` of the output's magnitude for the Triton kernel (its dot operands
     are bf16, on a GPU and in the interpreter alike: the dequantized keys and values are exact in
     bf16, e2m1 x e4m3 having at most 5 significant bits, so only q's and the probabilities' rounding
     remains, as for every other layout), 2e-5 for the reference (fp32 dots)."""

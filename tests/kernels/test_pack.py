@@ -7,11 +7,11 @@ import functools
 import math
 import struct
 
-import layout_oracle
 import numpy
 import pytest
 import torch
 
+from support import layout_oracle
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout, pack
 
@@ -43,7 +43,7 @@ def _tile_amax(latent: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
 def test_tile_bytes_are_the_nearest_fp8_of_value_over_own_scale(scale_format):
-    """Read back by the independent decoder (tests/layout_oracle.py): each latent byte is the e4m3
+    """Read back by the independent decoder (tests/support/layout_oracle.py): each latent byte is the e4m3
     value nearest to x / its tile's stored scale (ties to even, saturating at 448), the quotient
     taken in float32 as the packer documents."""
     latent = _latent(6)

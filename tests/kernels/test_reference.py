@@ -1,6 +1,6 @@
 """The torch reference against an independent dense formula, and its masking and memory contracts.
 
-The formula reads the cache through tests/layout_oracle.py (struct and integer arithmetic from the
+The formula reads the cache through tests/support/layout_oracle.py (struct and integer arithmetic from the
 byte layout), not through the packer's dequantizer the reference itself uses.
 """
 
@@ -12,17 +12,17 @@ import math
 
 import pytest
 import torch
-
-import layout_oracle
 from cpu_memory import LiveTensorPeak  # benchmarks/ is on pytest's pythonpath
-from helpers import BF16_ULP, scaled_atol
+
+from support import layout_oracle
+from support.kernel_checks import BF16_ULP, scaled_atol
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa.reference import bytes_per_token, tokens_per_chunk, torch_sparse_mla
 
 # The reference computes in fp32, the dense formula in float64, from the same cache bytes: the
 # difference is fp32 rounding over 576-wide dots and up to topk-term sums, which grows with
 # the values' magnitude (measured 1.2e-6 of it, thread-count dependent), so the tolerance is a
-# fraction of the largest |value| (helpers.scaled_atol), not an absolute number.
+# fraction of the largest |value| (support.kernel_checks.scaled_atol), not an absolute number.
 REF_REL_TOL = 1e-5
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import clean_env
+from support.cli import clean_env
 
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import plan

@@ -1,7 +1,7 @@
-"""The Triton kernel against the torch reference, on the test device (helpers.DEVICE).
+"""The Triton kernel against the torch reference, on the test device (support.kernel_checks.DEVICE).
 
 On the CPU it runs under Triton's interpreter; on a GPU compiled. Tolerances are a fraction of
-the reference's magnitude (helpers.KERNEL_REL_TOL says why each side needs what it needs). The
+the reference's magnitude (support.kernel_checks.KERNEL_REL_TOL says why each side needs what it needs). The
 compile gate (test_compile_gate.py) proves the same source compiles for the GPUs.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
+from support.cli import clean_env
+from support.kernel_checks import DEVICE, ON_GPU, assert_kernel_close
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin import sparse_mla_forward

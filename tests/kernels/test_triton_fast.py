@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers import DEVICE, ON_GPU, assert_kernel_close, clean_env
+from support.cli import clean_env
+from support.kernel_checks import DEVICE, ON_GPU, assert_kernel_close
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa import triton_fast as tf
 from mla_sm120_plugin.kernels.dsa import plan

@@ -1,5 +1,5 @@
 """Decode context parallelism through SGLang 0.5.23's own pieces: 2 and 4 gloo ranks, each keeping only the slots
-it owns (``tests/sglang_dcp.py`` runs them: SGLang's launcher passes, its DCP group, its q gather, its page-table
+it owns (``tests/support/sglang_dcp.py`` runs them: SGLang's launcher passes, its DCP group, its q gather, its page-table
 localization inside the plugin's call, its LSE merges).
 
 Each rank's partial (its kernel over the slots it owns, its own heads' sinks) is held to the exact class against
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import rank_result
-from model_configs import write_model
-from sglang_dcp import Case, run_ranks
+from support.gloo_ranks import rank_result
+from support.model_configs import write_model
+from support.sglang_dcp import Case, run_ranks
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound, measure

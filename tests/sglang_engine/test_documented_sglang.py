@@ -21,8 +21,8 @@ import types
 
 import pytest
 import torch
-from helpers import config_with_sections
-from model_configs import write_model
+from support.cli import config_with_sections
+from support.model_configs import write_model
 from sglang.srt.arg_groups import overrides, speculative_hook
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode

@@ -16,7 +16,7 @@ import logging
 
 import pytest
 import torch
-from layout_oracle import dsv4_oracle_attention
+from support.layout_oracle import dsv4_oracle_attention
 from test_dsv4_launch import _launch, _model
 
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
@@ -111,7 +111,7 @@ def test_a_split_call_carves_its_partials_from_the_scratch_set_aside_at_init(pla
     inference mode); a split call under inference mode then writes them there and allocates only
     its ``out`` (SGLang's call passes none, and its FlashInfer path returns a new one too). The call
     is small enough that its plan is one pass, so the split is forced (MLA_SM120_SPLITS)."""
-    from helpers import CountingAllocator
+    from support.kernel_checks import CountingAllocator
 
     from mla_sm120_plugin.kernels.dsv4 import plan
 

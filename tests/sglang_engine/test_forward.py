@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from model_configs import write_model
+from support.model_configs import write_model
 from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache
 from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache
@@ -123,7 +123,7 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     print(f"\nmax |out - dense| / max |dense|, {kv} {mode.name} ({kernel}): {err:.2e}")
     assert err < 2e-2
     # And against float64 over the rows exactly as the bytes hold them, in the kernel's own bound.
-    from layout_oracle import attention, decode_cache
+    from support.layout_oracle import attention, decode_cache
 
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.kernels.accuracy import measure
@@ -139,8 +139,8 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
 def test_the_fast_kernel_through_sglang_is_exact_class(tmp_path, capability, monkeypatch, entry, mode):
     """The fp8-MMA kernel on a cache SGLang's own writer packed, through SGLang's call site (per-row
     lengths, its index transform), against float64 attention over the rows exactly as the bytes
-    hold them (tests/layout_oracle.py): within its declared exact-class bound."""
-    from layout_oracle import attention, decode_cache
+    hold them (tests/support/layout_oracle.py): within its declared exact-class bound."""
+    from support.layout_oracle import attention, decode_cache
 
     from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, measure
 

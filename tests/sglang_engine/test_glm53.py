@@ -3,7 +3,7 @@
 SGLang alone has no fp8 path for it on SM12x (trtllm, which does not run there; its kpool guard
 allows fa3/tilelang/trtllm only). With the plugin, the launcher routes both phases to the call site
 the plugin serves, SGLang's pool packs 528-byte rows, and the kernels read SGLang's 2051-wide
-token-slot rows. Expected values: float64 attention over the rows as tests/layout_oracle.py
+token-slot rows. Expected values: float64 attention over the rows as tests/support/layout_oracle.py
 decodes the bytes SGLang's own writer produced.
 """
 
@@ -14,9 +14,9 @@ import types
 
 import pytest
 import torch
-from layout_oracle import attention, decode_cache
-from model_configs import write_model
-from sglang_launch import resolve, server_args
+from support.layout_oracle import attention, decode_cache
+from support.model_configs import write_model
+from support.sglang_launch import resolve, server_args
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
 from sglang.srt.arg_groups import overrides
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend

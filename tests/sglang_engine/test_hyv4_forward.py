@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-from layout_oracle import attention
-from model_configs import write_model
+from support.layout_oracle import attention
+from support.model_configs import write_model
 from sglang.srt.arg_groups import overrides
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from helpers import clean_env
+from support.cli import clean_env
 
 from mla_sm120_plugin.integration import sglang as plugin
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401

@@ -8,7 +8,7 @@ vLLM side: ``tests/vllm/test_profile_sources_vllm.py``; the public configs: ``te
 from __future__ import annotations
 
 import pytest
-from engine_sources import default, package_file
+from support.engine_sources import default, package_file
 
 from mla_sm120_plugin.engines import installed_release
 from mla_sm120_plugin.profiles import GEOMETRY, SOURCES, mla_sm120_model_profiles

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import run_cli
-from model_configs import write_model
-from sglang_launch import launch, resolve, server_args
+from support.cli import run_cli
+from support.model_configs import write_model
+from support.sglang_launch import launch, resolve, server_args
 from sglang.srt.arg_groups import overrides
 
 from mla_sm120_plugin.context import context_from_json
@@ -42,7 +42,7 @@ def test_glm5_on_sm12x_fp8_is_decided_by_the_plugin(tmp_path, capability, caplog
     assert resolve(write_model(tmp_path, "glm"), kv_cache_dtype="fp8_e4m3") == (dsa.ROUTE, dsa.ROUTE)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mla_sm120: model=")]
     assert f"sm_{cap[0]}{cap[1]}" in line
-    from helpers import flashinfer_refusal_here
+    from support.kernel_checks import flashinfer_refusal_here
 
     refusal = flashinfer_refusal_here()
     if refusal is not None:  # FlashInfer's probe runs on this machine's GPU (or lack of one)
@@ -309,7 +309,7 @@ def test_a_fresh_scheduler_shows_both_lines_with_sglangs_logging(tmp_path):
     import subprocess
     import sys
 
-    from helpers import clean_env
+    from support.cli import clean_env
 
     model = write_model(tmp_path, "glm", index_topk=100, heads=5)
     probe = tmp_path / "launcher.py"  # a file: spawned children re-import their parent's main module

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from internals_sites import unresolved
+from support.internals_sites import unresolved
 
 from mla_sm120_plugin.integration.sglang.internals import INTERNALS
 

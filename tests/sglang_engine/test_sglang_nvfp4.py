@@ -4,8 +4,8 @@ SGLang's words, with what it supports and the fix (serve it with vLLM)."""
 from __future__ import annotations
 
 import pytest
-from helpers import run_cli
-from model_configs import write_model
+from support.cli import run_cli
+from support.model_configs import write_model
 from sglang.srt.arg_groups import overrides
 from sglang.srt.server_args import ServerArgs
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import cpu_memory  # benchmarks/ is on pytest's pythonpath
-from helpers import ON_GPU
+from support.kernel_checks import ON_GPU
 from mla_sm120_plugin.tools import bench
 from mla_sm120_plugin.kernels.dsa import plan
 
@@ -152,7 +152,7 @@ def test_gpu_dsv4_report():
 
 
 def test_dsv4_timings_refuse_what_they_cannot_do():
-    from helpers import assert_three_parts, run_cli
+    from support.cli import assert_three_parts, run_cli
 
     clash = run_cli("bench", "--dsv4", "--plot", "x.png", "--quick")
     assert clash.returncode != 0

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, run_cli
+from support.cli import clean_env, run_cli
 from mla_sm120_plugin.tools import compile_gate
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import triton as tk

@@ -16,7 +16,7 @@ from mla_sm120_plugin import cli
 from mla_sm120_plugin.config import CONFIG_ENV
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TORCH, TRITON
 
-from helpers import decision_of
+from support.cli import decision_of
 
 
 def _toml(tmp_path, text: str, name: str = "mla.toml") -> str:

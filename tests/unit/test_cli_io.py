@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import clean_env
+from support.cli import clean_env
 
 GLM5 = {"architectures": ["GlmMoeDsaForCausalLM"], "num_attention_heads": 64, "index_topk": 2048}
 UTF8 = {"LANG": "en_US.UTF-8", "LC_ALL": "en_US.UTF-8"}

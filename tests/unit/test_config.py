@@ -11,7 +11,7 @@ from __future__ import annotations
 import string
 
 import pytest
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 
 from mla_sm120_plugin.config import Settings
 from mla_sm120_plugin.context import EngineLimits, build_context

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env
+from support.cli import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "flashinfer", "triton")

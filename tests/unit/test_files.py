@@ -13,7 +13,7 @@ import stat
 import sys
 
 import pytest
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

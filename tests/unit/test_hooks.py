@@ -13,11 +13,11 @@ from mla_sm120_plugin.hooks.manager import BUILTIN_PLUGINS, DISABLE_ENV, build_r
 from mla_sm120_plugin.dispatch.catalog import BUILTIN_KERNELS, TORCH
 from mla_sm120_plugin.types import KernelSpec, ModelProfile
 
-from helpers import DEMO_BROKEN as BROKEN
-from helpers import DEMO_FAULTY_HOOKS as FAULTY_HOOKS
-from helpers import demo_plugins_except as _block_except
-from helpers import decision_of, run_cli
-from unit_helpers import _edge_ctx
+from support.cli import DEMO_BROKEN as BROKEN
+from support.cli import DEMO_FAULTY_HOOKS as FAULTY_HOOKS
+from support.cli import demo_plugins_except as _block_except
+from support.cli import decision_of, run_cli
+from support.decisions import _edge_ctx
 
 
 def test_builtins_register_through_the_hooks():

@@ -371,7 +371,7 @@ def test_an_unreadable_config_is_refused_for_an_ordinary_user():
     import subprocess
     import sys
 
-    from helpers import clean_env
+    from support.cli import clean_env
 
     done = subprocess.run([sys.executable, "-c", DROPPED_CHECK, _locked_config()], capture_output=True, text=True,
                           env=clean_env(), timeout=120)

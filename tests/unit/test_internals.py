@@ -1,6 +1,6 @@
 """Each engine's internals catalogue lists exactly what its adapter's code touches (read from the code).
 
-The sites are read from the adapter's source by ``tests/internals_sites.py`` (no engine imported);
+The sites are read from the adapter's source by ``tests/support/internals_sites.py`` (no engine imported);
 the engine suites resolve every catalogued name in the installed engine.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from internals_sites import PACKAGE, sites
+from support.internals_sites import PACKAGE, sites
 
 from mla_sm120_plugin.integration.catalogue import Internal
 

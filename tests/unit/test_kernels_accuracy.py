@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 
 from mla_sm120_plugin.errors import KernelInputError, PluginError
 from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, Accuracy, AccuracyBound, measure

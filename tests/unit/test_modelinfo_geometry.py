@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 
 from mla_sm120_plugin import cli
 from mla_sm120_plugin.errors import ConfigError

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts, decision_of
-from unit_helpers import _edge_ctx, _edge_registry
+from support.cli import assert_three_parts, decision_of
+from support.decisions import _edge_ctx, _edge_registry
 
 from mla_sm120_plugin import cli
 
@@ -96,7 +96,7 @@ def test_what_cannot_be_served_under_dcp_is_refused_in_three_parts(capsys, args,
 
 
 def test_an_indexer_top_k_vllms_merge_does_not_rank_is_refused(tmp_path, capsys):
-    from model_configs import write_model
+    from support.model_configs import write_model
 
     model = write_model(tmp_path, "glm", index_topk=256, heads=64)
     assert cli.main(["check", "--model", model, "--sm", "12.0", "--tp", "8"]) == 0

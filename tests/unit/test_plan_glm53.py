@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import decision_of, run_cli
-from model_configs import write_model
+from support.cli import decision_of, run_cli
+from support.model_configs import write_model
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.dispatch import flashinfer

@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_three_parts, decision_of
+from support.cli import assert_three_parts, decision_of
 
 from mla_sm120_plugin import cli, families
 from mla_sm120_plugin.dispatch import catalog, selfcheck, selfcheck_dsa

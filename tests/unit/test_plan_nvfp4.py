@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import decision_of, run_cli
+from support.cli import decision_of, run_cli
 
 GIB = 1 << 30
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts, decision_of, run_cli
+from support.cli import assert_three_parts, decision_of, run_cli
 
 from mla_sm120_plugin import cli
 from mla_sm120_plugin.engines import RELEASES, installed_release

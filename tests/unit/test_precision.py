@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import assert_three_parts, decision_of, run_cli
+from support.cli import assert_three_parts, decision_of, run_cli
 
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER, TRITON, TRITON_FAST, TRITON_FAST_SPEC

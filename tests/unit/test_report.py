@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from helpers import decision_of
-from unit_helpers import _edge_ctx, _edge_registry
+from support.cli import decision_of
+from support.decisions import _edge_ctx, _edge_registry
 
 from mla_sm120_plugin import cli
 from mla_sm120_plugin.dispatch.catalog import FLASHINFER

@@ -8,7 +8,7 @@ installed vLLM 0.33 / SGLang 0.5.23), written here as text, never recomputed wit
 from __future__ import annotations
 
 import pytest
-from unit_helpers import _refusal
+from support.decisions import _refusal
 
 from mla_sm120_plugin.device import parse_device
 from mla_sm120_plugin.families import mla_sm120_validate

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from helpers import assert_three_parts, decision_of, run_cli
-from unit_helpers import _edge_ctx, _edge_reasons, _edge_registry, _refusal
+from support.cli import assert_three_parts, decision_of, run_cli
+from support.decisions import _edge_ctx, _edge_reasons, _edge_registry, _refusal
 from mla_sm120_plugin.device import parse_device
 from mla_sm120_plugin.errors import PluginError, UnsupportedConfiguration
 from mla_sm120_plugin.hooks import hookimpl

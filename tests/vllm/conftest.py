@@ -1,7 +1,7 @@
 """The vLLM suite: real vLLM objects for tiny DSA models, built on the CPU (no weights, no GPU).
 
 The helpers that reproduce vLLM's GPU start-up (construction context, metadata, logging) live in
-``tests/vllm_engine.py``, importable from subprocesses too; this file adds the per-test state.
+``tests/support/vllm_engine.py``, importable from subprocesses too; this file adds the per-test state.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("vllm.config", reason="install the vllm extra: pip install -e '.[vllm]'")
 
-from model_configs import write_model  # noqa: E402,F401  (re-exported for the vLLM tests)
-from vllm_engine import make_impl, make_vllm_config, selector_kwargs  # noqa: E402,F401
+from support.model_configs import write_model  # noqa: E402,F401  (re-exported for the vLLM tests)
+from support.vllm_engine import make_impl, make_vllm_config, selector_kwargs  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Decode context parallelism through vLLM's own pieces: 2 and 4 gloo ranks, each keeping only the tokens it
-owns (``tests/vllm_dcp.py`` runs them: vLLM's parallel state, MLADCPManager's head gather and LSE merge, the
+owns (``tests/support/vllm_dcp.py`` runs them: vLLM's parallel state, MLADCPManager's head gather and LSE merge, the
 owner filter inside the impl's forward).
 
 Each rank's partial (its kernels over the ids it owns) is held to the exact class against float64 over the
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import rank_result
-from model_configs import write_model
-from vllm_dcp import Case, _problem, expected, own_sinks, owned, run_ranks
+from support.gloo_ranks import rank_result
+from support.model_configs import write_model
+from support.vllm_dcp import Case, _problem, expected, own_sinks, owned, run_ranks
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound, measure
@@ -111,7 +111,7 @@ def test_vllms_selector_keeps_the_plugins_backend_under_dcp(tmp_path, monkeypatc
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm_engine import make_vllm_config, sm120_pick
+    from support.vllm_engine import make_vllm_config, sm120_pick
 
     from mla_sm120_plugin.integration.vllm import register, translate
     from mla_sm120_plugin.integration.vllm.backend import BACKEND_NAME
@@ -131,7 +131,7 @@ def test_vllms_selector_keeps_the_plugins_backend_under_dcp(tmp_path, monkeypatc
     planned = translate.plan_from_vllm(vc, "fp8_ds_mla", (12, 0)).decision.context
     assert (planned.num_heads, planned.heads_per_rank, planned.decode_context_parallel_size) == (32, 8, 4)
     own = AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120.get_class()
-    from vllm_engine import selector_kwargs
+    from support.vllm_engine import selector_kwargs
 
     with set_current_vllm_config(vc):
         reasons = own.validate_configuration(**{**selector_kwargs("fp8_ds_mla", (12, 0)), "use_dcp": True})
@@ -147,7 +147,7 @@ def test_vllms_kv_cache_planning_gives_n_times_the_tokens_at_dcp_n(tmp_path, kv)
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_capacity
-    from vllm_engine import kv_cache_spec, make_vllm_config
+    from support.vllm_engine import kv_cache_spec, make_vllm_config
 
     from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend
 

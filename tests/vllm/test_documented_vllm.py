@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import config_with_sections
-from model_configs import write_model
-from vllm_engine import make_vllm_config
+from support.cli import config_with_sections
+from support.model_configs import write_model
+from support.vllm_engine import make_vllm_config
 from vllm.config import SpeculativeConfig, VllmConfig
 
 from mla_sm120_plugin.config import CONFIG_ENV

@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from layout_oracle import dsv4_oracle_attention
+from support.layout_oracle import dsv4_oracle_attention
 
 from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
 from mla_sm120_plugin.engines import installed_release, lookup
@@ -37,7 +37,7 @@ from mla_sm120_plugin.kernels.dsv4 import layout, pack
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm_engine import construction_context, dsv4_workspace, make_vllm_config, one_rank as vllm_one_rank  # noqa: E402
+from support.vllm_engine import construction_context, dsv4_workspace, make_vllm_config, one_rank as vllm_one_rank  # noqa: E402
 
 MAX_LEN = 4096  # make_vllm_config's max_model_len
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -336,7 +336,7 @@ def test_an_nvfp4_step_writes_the_record_and_its_forward_matches_float64(model_d
     fp8 op) stores this step's rows into the window pool, then forward_mqa reads both 384-byte pools."""
     from vllm.forward_context import set_forward_context
 
-    from layout_oracle import dsv4_roped_bf16
+    from support.layout_oracle import dsv4_roped_bf16
 
     sm(12, 0)
     cfg = _vllm_config(model_dir, cache_dtype="nvfp4_ds_mla")
@@ -386,7 +386,7 @@ def test_the_compressor_stores_the_nvfp4_record_through_vllms_override_point(mod
     override point); the plugin's compressor class stores the compressed rows as the 384-byte record."""
     from vllm.models.deepseek_v4.compressor import CompressorMetadata
 
-    from layout_oracle import dsv4_compressed_row, dsv4_nvfp4_entry, dsv4_roped_bf16, encode_dsv4_nvfp4_row
+    from support.layout_oracle import dsv4_compressed_row, dsv4_nvfp4_entry, dsv4_roped_bf16, encode_dsv4_nvfp4_row
 
     sm(12, 0)
     cfg = _vllm_config(model_dir, cache_dtype="nvfp4_ds_mla")

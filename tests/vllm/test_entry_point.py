@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from helpers import clean_env
+from support.cli import clean_env
 
 from mla_sm120_plugin.integration.vllm.names import BACKEND_PATH
 
@@ -74,7 +74,7 @@ def test_backend_class_path_resolves():
 def test_a_faulty_third_party_hook_does_not_break_vllms_plugin_loading(demo_plugin_path):
     # The demo distribution's mla_sm120_select raises: vLLM still starts its plugins (register()
     # loads no mla_sm120 plugin); the fault surfaces, named, only when the backend decides.
-    from helpers import demo_plugins_except
+    from support.cli import demo_plugins_except
 
     post = REPEAT + ("\nfrom mla_sm120_plugin.device import parse_device\n"
                      "from mla_sm120_plugin.selection import select\n"

@@ -17,9 +17,10 @@ import sys
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_three_parts, clean_env
-from model_configs import write_model
-from vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, vllm_log
+from support.cli import assert_three_parts, clean_env
+from support.kernel_checks import ON_GPU
+from support.model_configs import write_model
+from support.vllm_engine import build_metadata, common_metadata, make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.dispatch import forward as api, flashinfer, selfcheck, selfcheck_dsa
@@ -174,8 +175,8 @@ LOGGING_PROBE = """
 import sys
 import vllm.model_executor.layers.attention.sparse_mla_attention as sma
 from vllm.logger import configure_logging
-from model_configs import write_model
-from vllm_engine import make_impl, make_vllm_config
+from support.model_configs import write_model
+from support.vllm_engine import make_impl, make_vllm_config
 
 vc = make_vllm_config(write_model(sys.argv[1], "glm", index_topk=100, heads=5), enforce_eager=True)
 configure_logging(vc.logging_config)  # a vLLM worker's first step (multiproc/Ray executors)
@@ -212,7 +213,7 @@ WORKER = """
 import pickle, sys
 from vllm.config import set_current_vllm_config
 from vllm.plugins import load_general_plugins
-from vllm_engine import selector_kwargs
+from support.vllm_engine import selector_kwargs
 
 vc = pickle.load(open(sys.argv[1], "rb"))  # the config object every worker receives
 load_general_plugins()  # as vLLM's WorkerBase does

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_configs import write_model
-from vllm_engine import build_metadata, common_metadata, logical_topk, make_impl, make_vllm_config
+from support.model_configs import write_model
+from support.vllm_engine import build_metadata, common_metadata, logical_topk, make_impl, make_vllm_config
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.dsa.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla

@@ -5,7 +5,7 @@ vLLM's fp8_ds_mla rows (0.33: 656 bytes whose last 128 are reserved zeros; 0.34:
 vLLM's own SM120 impl sizes them) or 512 bf16 values, and a
 2176-wide index buffer of logical positions (the kpool indexer's picks with -1 holes, then the tail
 columns), converted to slots by the impl. The expected values are float64 attention over the rows
-as tests/layout_oracle.py decodes their bytes.
+as tests/support/layout_oracle.py decodes their bytes.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layout_oracle import attention, decode_cache
-from model_configs import write_model
-from vllm_engine import build_metadata, common_metadata, kv_cache_spec, make_impl, make_vllm_config, selector_kwargs
+from support.layout_oracle import attention, decode_cache
+from support.model_configs import write_model
+from support.vllm_engine import build_metadata, common_metadata, kv_cache_spec, make_impl, make_vllm_config, selector_kwargs
 
 from mla_sm120_plugin.engines import installed_release
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_configs import write_model
-from vllm_engine import (build_metadata, common_metadata, construction_context, logical_topk, make_impl,
-                         make_vllm_config, one_rank as vllm_one_rank, sm120_pick)
+from support.model_configs import write_model
+from support.vllm_engine import (build_metadata, common_metadata, construction_context, logical_topk, make_impl,
+                                 make_vllm_config, one_rank as vllm_one_rank, sm120_pick)
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure

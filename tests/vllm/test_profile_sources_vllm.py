@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from engine_sources import constant, default, keyword_values, numbers, package_file
+from support.engine_sources import constant, default, keyword_values, numbers, package_file
 
 from mla_sm120_plugin.engines import installed_release
 from mla_sm120_plugin.profiles import GEOMETRY, SOURCES, mla_sm120_model_profiles

@@ -7,9 +7,9 @@ next kernel the decision allows and logs why; with MLA_SM120_SELF_CHECK=strict i
 from __future__ import annotations
 
 import pytest
-from helpers import assert_three_parts
-from model_configs import write_model
-from vllm_engine import make_impl, make_vllm_config, vllm_log
+from support.cli import assert_three_parts
+from support.model_configs import write_model
+from support.vllm_engine import make_impl, make_vllm_config, vllm_log
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.hooks.manager import reset_registry

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from model_configs import write_model
-from vllm_engine import make_vllm_config, selector_kwargs
+from support.model_configs import write_model
+from support.vllm_engine import make_vllm_config, selector_kwargs
 from vllm.config import set_current_vllm_config
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -81,7 +81,7 @@ def test_decision_reads_model_heads_topk_and_scale_format(tmp_path):
     ctx = d.context
     assert (ctx.model_arch, ctx.num_heads, ctx.index_topk) == ("DeepseekV32ForCausalLM", 16, 512)
     assert d.scale_format == "pow2"
-    from helpers import flashinfer_refusal_here
+    from support.kernel_checks import flashinfer_refusal_here
 
     refusal = flashinfer_refusal_here()  # the probe runs for a device vLLM reports: this machine's
     if refusal is not None:
@@ -141,7 +141,7 @@ def _lines_after_combination(message: str) -> list[str]:
 
 @pytest.mark.parametrize("sm", ["9.0", "10.0"])
 def test_vllm_refuses_other_families_with_the_text_check_prints(tmp_path, sm):
-    from helpers import run_cli
+    from support.cli import run_cli
 
     model = write_model(tmp_path, "glm")
     major, minor = (int(x) for x in sm.split("."))
@@ -205,7 +205,7 @@ def test_config_is_read_once_per_process(tmp_path, monkeypatch):
 def test_the_models_own_geometry_is_checked_before_weights_load(tmp_path, change, needle):
     """vLLM's hf_text_config is read, not the profile: a GLM-5 config with another latent or rope width
     is refused with check's lines."""
-    from helpers import run_cli
+    from support.cli import run_cli
 
     model = write_model(tmp_path, "glm", **change)
     with pytest.raises(UnsupportedConfiguration) as err:

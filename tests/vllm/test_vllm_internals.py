@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from internals_sites import unresolved
+from support.internals_sites import unresolved
 
 from mla_sm120_plugin.engines import installed_release
 from mla_sm120_plugin.integration.vllm.internals import INTERNALS

@@ -1,16 +1,16 @@
 """vLLM 0.33's nvfp4_ds_mla cache (352-byte rows) through the CUSTOM backend, on the CPU: the
 selector's validate_configuration, the KV cache spec vLLM derives for the layer, and forward_mqa
 with vLLM's own metadata builder on an NVFP4 cache against float64 attention over the rows as
-tests/layout_oracle.py decodes them."""
+tests/support/layout_oracle.py decodes them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from layout_oracle import attention, decode_cache
-from model_configs import write_model
-from vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_topk, make_impl, make_vllm_config,
-                         selector_kwargs)
+from support.layout_oracle import attention, decode_cache
+from support.model_configs import write_model
+from support.vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_topk, make_impl, make_vllm_config,
+                                 selector_kwargs)
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide

@@ -58,7 +58,7 @@ def _owner_local(pos: int, world: int, interleave: int) -> tuple[int, int]:
 
 def _problem(case: Case, world: int):
     """Everything every rank agrees on (one seed): per-request token rows, q, sinks, top-k ids."""
-    from vllm_engine import logical_topk
+    from support.vllm_engine import logical_topk
 
     from mla_sm120_plugin.kernels.dsa.pack import dequantize, pack
 
@@ -165,7 +165,7 @@ def _interpretable_ag_rs() -> None:
 def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.ops.dcp import MLADCPManager
-    from vllm_engine import GEOMETRY, build_metadata, common_metadata, make_impl, make_vllm_config
+    from support.vllm_engine import GEOMETRY, build_metadata, common_metadata, make_impl, make_vllm_config
 
     from mla_sm120_plugin.integration.vllm import translate
 
@@ -212,7 +212,7 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
     try:
         from vllm.config import set_current_vllm_config
         from vllm.distributed import parallel_state as ps
-        from vllm_engine import make_vllm_config
+        from support.vllm_engine import make_vllm_config
 
         import vllm.model_executor.layers.attention.sparse_mla_attention as sma
 
@@ -223,7 +223,7 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world,
                                          backend="gloo")
-        from gloo_ranks import each_case
+        from support.gloo_ranks import each_case
 
         queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
         ps.destroy_model_parallel()
@@ -239,6 +239,6 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     no CUDA device (``CUDA_VISIBLE_DEVICES=""``: else vLLM swaps Triton for a placeholder on a machine
     without a driver); both are set for them only.
     """
-    from gloo_ranks import run_ranks as run
+    from support.gloo_ranks import run_ranks as run
 
     return run(_rank, world, (model_dirs, cases), {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout)

@@ -1,6 +1,6 @@
 """Several engine ranks on the CPU: ``world`` spawned processes that join one gloo group on a free port.
 
-The DCP helpers (``tests/vllm_dcp.py``, ``tests/sglang_dcp.py``) give :func:`run_ranks` their rank function,
+The DCP helpers (``tests/support/vllm_dcp.py``, ``tests/support/sglang_dcp.py``) give :func:`run_ranks` their rank function,
 ``target(rank, world, port, *args, queue)``, which joins the group through its engine's own parallel state,
 runs its cases and puts ``(rank, results)`` on the queue (a traceback string where it failed).
 """

@@ -1,5 +1,5 @@
 """Kernel-test cases (imported by the kernel, dispatch and engine suites, and by tests/kernels/guarded_call.py):
-random caches in any layout of ``layout.LAYOUTS``, on the test device (helpers.DEVICE: CUDA
+random caches in any layout of ``layout.LAYOUTS``, on the test device (support.kernel_checks.DEVICE: CUDA
 when present, else the CPU, where tests/conftest.py has set TRITON_INTERPRET)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helpers import DEVICE
+from support.kernel_checks import DEVICE
 from mla_sm120_plugin.kernels.dsa import layout, pack
 
 

@@ -33,7 +33,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "mla_sm120_plugin"
+PACKAGE = Path(__file__).resolve().parents[2] / "mla_sm120_plugin"  # tests/support/ -> the checkout
 _DOTTED = re.compile(r"^(vllm|sglang|flashinfer)(\.[A-Za-z_]\w*)+(:[\w.]+)?$")
 _PRIVATE = re.compile(r"^_[a-z]\w*$")
 # Python's own attributes the adapters reach by name (an import hook's loader, a closure's cells, a

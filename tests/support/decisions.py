@@ -1,4 +1,4 @@
-"""Helpers the documented-behaviour tests of more than one module share (tests/unit only).
+"""What the unit tests of selection, report, rules, hooks and the DCP plan share (torch-free; tests/unit only).
 
 ``_refusal``: the lines of the refusal ``mla-sm120 check`` prints (rules and selection pin its
 words). ``_edge_registry`` / ``_edge_ctx`` / ``_edge_reasons``: the built-ins plus one third-party
@@ -8,7 +8,7 @@ reasons it was rejected (selection, report and hooks pin what is decided and pri
 
 from __future__ import annotations
 
-from helpers import assert_three_parts
+from support.cli import assert_three_parts
 
 from mla_sm120_plugin import cli
 

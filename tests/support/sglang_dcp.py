@@ -151,7 +151,7 @@ def _local_cache(case: Case, keys, world: int, rank: int):
 
 def _setup_case(case: Case, world: int, model_dir: str):
     """The launcher: SGLang's passes with the plugin on; the plan reaches this process's environment."""
-    from sglang_launch import launch
+    from support.sglang_launch import launch
 
     from mla_sm120_plugin.context import clear_config_cache
     from mla_sm120_plugin.integration.sglang import dsa, names
@@ -246,7 +246,7 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                              use_custom_allreduce=False, group_name="dcp")
         get_parallel().override_permanently(dcp_group=group, attn_dcp_size=world, attn_dcp_rank=rank,
                                             dcp_enabled=True)
-        from gloo_ranks import each_case
+        from support.gloo_ranks import each_case
 
         queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
     except Exception:
@@ -259,7 +259,7 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     The children run Triton kernels (SGLang's and the plugin's) in its interpreter on CPU tensors
     (``TRITON_INTERPRET=1``), see no CUDA device and have the plugin enabled; set for them only.
     """
-    from gloo_ranks import run_ranks as run
+    from support.gloo_ranks import run_ranks as run
 
     from mla_sm120_plugin.integration.sglang import names
 
