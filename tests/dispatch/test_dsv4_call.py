@@ -17,7 +17,7 @@ from mla_sm120_plugin.dispatch.catalog import FLASHINFER_DSV4, TRITON_DSV4
 from mla_sm120_plugin.errors import KernelInputError, UnsupportedConfiguration
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
-from support.layout_oracle import dsv4_oracle_attention as oracle_attention
+from support.oracle import dsv4_sparse_attention
 
 REC = layout.FP8_RECORD
 CPU = torch.device("cpu")
@@ -56,8 +56,8 @@ def test_triton_dsv4_reads_the_engines_views_as_the_oracle_does(layout_name, fp8
                            kv_layout=layout_name, swa_topk_lens=swa_len, extra_sparse_indices=comp_idx,
                            extra_sparse_topk_lens=comp_len)
     assert got is out
-    want = oracle_attention(q, [(swa_pages, swa_idx[:, 0], swa_len, 64), (comp_pages, comp_idx[:, 0], comp_len, 2)],
-                            sinks)
+    want, _ = dsv4_sparse_attention(q, [(swa_pages, swa_idx[:, 0], swa_len, 64),
+                                        (comp_pages, comp_idx[:, 0], comp_len, 2)], sinks)
     assert EXACT_CLASS_BOUND.violations(measure(out, want)) == []
     assert bool((out[2] == 0).all())  # no candidate: zeros
 
@@ -168,8 +168,8 @@ def test_triton_dsv4_reads_the_nvfp4_record_when_told_the_format():
     got = dsv4.triton_dsv4(query=q, swa_kv_cache=views[0], sparse_indices=swa_idx, compressed_kv_cache=views[1],
                            bmm1_scale=512**-0.5, sinks=sinks, kv_layout="NHD", extra_sparse_indices=comp_idx,
                            kv_cache_format="nvfp4")
-    want = oracle_attention(q, [(pools[0], swa_idx[:, 0], None, 64), (pools[1], comp_idx[:, 0], None, 2)], sinks,
-                            record="nvfp4")
+    want, _ = dsv4_sparse_attention(q, [(pools[0], swa_idx[:, 0], None, 64), (pools[1], comp_idx[:, 0], None, 2)],
+                                    sinks, record="nvfp4")
     assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
     with pytest.raises(KernelInputError) as err:  # the same bytes read as the 584-byte record: refused
         dsv4.triton_dsv4(query=q, swa_kv_cache=views[0], sparse_indices=swa_idx, kv_layout="NHD")
@@ -197,9 +197,9 @@ def _small_call(window=10, extra=6, **overrides):
     kwargs = dict(query=q, swa_kv_cache=swa, sparse_indices=swa_idx, compressed_kv_cache=comp,
                   extra_sparse_indices=comp_idx, bmm1_scale=512**-0.5, kv_layout="NHD")
     kwargs.update(overrides)
-    want = oracle_attention(q, [(swa_pages, kwargs["sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 64),
-                                (comp_pages, kwargs["extra_sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 2)],
-                            None)
+    want, _ = dsv4_sparse_attention(
+        q, [(swa_pages, kwargs["sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 64),
+            (comp_pages, kwargs["extra_sparse_indices"][:, 0].clamp(-1, 2**31 - 1), None, 2)], None)
     return kwargs, want
 
 
@@ -255,7 +255,7 @@ def test_the_cake_backend_is_flashinfers_nvfp4_route_and_nothing_else():
                 kv_cache_format="nvfp4")
     got = dsv4.triton_dsv4(**call, backend="cake")
     assert torch.equal(got, dsv4.triton_dsv4(**call))
-    want = oracle_attention(q, [(pool, idx[:, 0], None, 64)], None, record="nvfp4")
+    want, _ = dsv4_sparse_attention(q, [(pool, idx[:, 0], None, 64)], None, record="nvfp4")
     assert EXACT_CLASS_BOUND.violations(measure(got, want)) == []
     with pytest.raises(KernelInputError) as err:  # FlashInfer's cake route refuses PDL with NVFP4
         dsv4.triton_dsv4(**call, backend="cake", enable_pdl=True)
@@ -273,9 +273,9 @@ def test_mla_sm120_splits_forces_the_split_path(monkeypatch):
     from mla_sm120_plugin.kernels.dsv4 import triton as dsv4_triton
 
     kwargs, want = _small_call(40, 30, sinks=torch.randn(8, generator=torch.Generator().manual_seed(2)))
-    want = oracle_attention(kwargs["query"], [(_engine_view(2, 64, 0, 1)[1], kwargs["sparse_indices"][:, 0], None, 64),
-                                              (_engine_view(8, 2, 0, 2)[1], kwargs["extra_sparse_indices"][:, 0],
-                                               None, 2)], kwargs["sinks"])
+    want, _ = dsv4_sparse_attention(
+        kwargs["query"], [(_engine_view(2, 64, 0, 1)[1], kwargs["sparse_indices"][:, 0], None, 64),
+                          (_engine_view(8, 2, 0, 2)[1], kwargs["extra_sparse_indices"][:, 0], None, 2)], kwargs["sinks"])
     grids = []
     real = dsv4_triton.launch_plan
     monkeypatch.setattr(dsv4_triton, "launch_plan", lambda *a, **k: grids.append(k["cfg"].num_splits) or real(*a, **k))

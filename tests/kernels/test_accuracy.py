@@ -1,9 +1,9 @@
 """Accuracy in FlashMLA's metrics: every kernel against float64 attention over the dequantized rows.
 
-The truth is tests/support/layout_oracle.py (an independent byte reader, float64 attention), so only a
-kernel's own arithmetic counts. Each kernel is held to the bound its spec declares
-(``KernelSpec.accuracy``: cos_diff, relRMS, max error; exact class is cos_diff <= 5e-6 and relRMS
-<= 0.3 %), in the anchors' regimes (docs/facts.md#accuracy-metrics-and-regimes; mla_sm120_plugin.tools.accuracy_cases:
+The truth is float64 attention (tests/support/oracle.py) over the rows tests/support/layout_oracle.py
+reads (an independent byte reader), so only a kernel's own arithmetic counts. Each kernel is held to
+the bound its spec declares (``KernelSpec.accuracy``: cos_diff, relRMS, max error; exact class is cos_diff
+<= 5e-6 and relRMS <= 0.3 %), in the anchors' regimes (docs/facts.md#accuracy-metrics-and-regimes; mla_sm120_plugin.tools.accuracy_cases:
 flat, peaked, outlier channels, few candidates), and on the inputs a kernel could get wrong without a wrong number showing elsewhere: slots no
 index selects poisoned with NaN bytes, rows with zero candidates, and a ``topk_length`` above
 top-k (SGLang hands per-row lengths; 2**31 - 1 included), which each kernel must clamp itself.
@@ -19,6 +19,7 @@ import torch
 
 from support import layout_oracle
 from support.kernel_checks import DEVICE
+from support.oracle import sparse_attention
 from mla_sm120_plugin.dispatch import catalog
 from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, measure
 from mla_sm120_plugin.kernels.dsa import layout, pack
@@ -43,7 +44,7 @@ def _case(regime: str, kv_layout: str, *, heads: int = HEADS, topk: int = TOPK, 
 
 def _truth(q, cache, indices, sm_scale, kv_layout, topk_length=None):
     keys = layout_oracle.decode_cache(cache, kv_layout)
-    return layout_oracle.attention(q.double(), keys, indices, sm_scale, topk_length)[0]
+    return sparse_attention(q, keys, indices, sm_scale, topk_length=topk_length)[0]
 
 
 def _within(got, want, bound, what):

@@ -5,8 +5,8 @@ DeepSeek-V4 plan at one token takes more than 32 ranges (C4A 40, C128A 192), so 
 accumulated sum and output by ``exp2(old max - new max)`` between steps is a production path. Here
 each family's kernels are forced past one step and past two, each with a partial last step
 (40 = 32 + 8 and 72 = 32 + 32 + 8 splits), and compared with float64 attention over the
-dequantized rows (tests/support/layout_oracle.py's byte readers) at the kernel's declared bound (exact
-class: cos_diff <= 5e-6, relRMS <= 0.3 %):
+dequantized rows (tests/support/oracle.py over tests/support/layout_oracle.py's byte readers) at the
+kernel's declared bound (exact class: cos_diff <= 5e-6, relRMS <= 0.3 %):
 
 * ``peaked``: q ~ N(0, 1) with DeepSeek-V3.2's softmax scale 0.135 (docs/facts.md, the peaked
   regime), each token's candidates ordered by rising score, so the combine's later steps raise
@@ -32,6 +32,7 @@ import torch
 
 from support import layout_oracle
 from support.kernel_checks import DEVICE
+from support.oracle import sparse_attention
 from mla_sm120_plugin.dispatch import catalog
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsa import layout as dsa_layout
@@ -50,6 +51,7 @@ HEADS = 4
 # In a peaked case every head's running maximum rises by at least this much (natural log) after
 # the combine's first step: dropping the rescale over-weights that step's splits by >= e^MARGIN.
 MARGIN = 1.0
+SINK_OFFSETS = torch.tensor([-1.0, 0.5, 0.0, 1.0], dtype=torch.float64)  # sink - lse, a head
 
 DSA_KERNELS = {
     "exact": (tk._run, catalog.TRITON_SPEC),
@@ -99,8 +101,8 @@ def _dsa_case(regime: str, num_splits: int):
         indices = indices[:, scores.amax(dim=0).argsort()].contiguous()
         scores = case.sm_scale * (case.q[0].double() @ keys[indices[0].long()].T)
         _assert_peak_is_late(_split_lse(scores, tk.BLOCK_K), num_splits)
-    want, lse = layout_oracle.attention(case.q.double(), keys, indices, case.sm_scale)
-    return case, indices, want, lse
+    want, lse = sparse_attention(case.q, keys, indices, case.sm_scale)
+    return case, indices, keys, want, lse
 
 
 # Every (split count, regime) for the exact kernel; the fast kernel (the same combine, fp32 partials
@@ -115,11 +117,11 @@ def test_dsa_combine_of_more_than_32_splits(kernel, num_splits, regime):
     """Forced ``num_splits`` splits (one block step each) through the shared combine, output and
     natural-log LSE, against float64 at the kernel's declared bound (a sink on the peaked cases)."""
     run, spec = DSA_KERNELS[kernel]
-    case, indices, want, want_lse = _dsa_case(regime, num_splits)
+    case, indices, keys, want, want_lse = _dsa_case(regime, num_splits)
     sink = None
     if regime == "peaked":  # near each head's LSE: a factor 1 / (1 + e^-offset) far from 1
-        sink = (want_lse[0] + torch.tensor([-1.0, 0.5, 0.0, 1.0], dtype=torch.float64)).float()
-        want = want / (1 + torch.exp(sink.double() - want_lse))[..., None]
+        sink = (want_lse[0] + SINK_OFFSETS).float()
+        want, _ = sparse_attention(case.q, keys, indices, case.sm_scale, sink=sink)
     cfg = tk.LaunchConfig(tk.BLOCK_H, tk.BLOCK_K, num_splits, 1, tk.NUM_WARPS, tk.NUM_STAGES)
     assert (num_splits - 1) * tk.BLOCK_K < indices.shape[1] < num_splits * tk.BLOCK_K
     out, lse = run(case.q.to(DEVICE), case.kv_cache.to(DEVICE), indices.to(DEVICE), sm_scale=case.sm_scale,
@@ -137,7 +139,6 @@ PAGE = 64  # both caches' page size
 PAGES = 2  # 128 slots a cache
 WINDOW = 128  # the window's index row (DeepSeek-V4's sliding window)
 DSV4_SCALE = 512**-0.5  # the model's softmax scale
-SINK_OFFSETS = torch.tensor([-1.0, 0.5, 0.0, 1.0], dtype=torch.float64)  # sink - lse, a head
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,8 +149,7 @@ def _dsv4_cache(record_name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor
     buf = dsv4_pack.new_cache(PAGES, PAGE, record=record)
     rows = torch.randn(PAGES * PAGE, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     dsv4_pack.write(buf, rows, torch.arange(PAGES * PAGE), PAGE, record=record)
-    keys = torch.tensor([layout_oracle.dsv4_oracle_row(buf, slot, PAGE, record_name) for slot in range(PAGES * PAGE)],
-                        dtype=torch.float64)
+    keys = layout_oracle.dsv4_oracle_rows(buf, range(PAGES * PAGE), PAGE, record_name)
     return buf, keys
 
 
@@ -190,18 +190,21 @@ def _dsv4_case(record_name: str, regime: str, compressed: int, seed: int):
     return (q, swa, swa_idx, comp, comp_idx, scale), scores, rows
 
 
-def _dsv4_truth(scores: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """float64 attention with the sink logit in the denominator only: [1, H, 512]."""
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ rows
-    if sinks is not None:
-        out = out / (1 + torch.exp(sinks.double() - lse))[:, None]
-    return out[None]
+def _dsv4_oracle(call, rows: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over the call's candidate rows (``rows``, in the kernel's order) with the sink
+    logit in the denominator only: out [1, H, 512], natural-log lse [1, H] (the sink left out)."""
+    q, scale = call[0], call[5]
+    return sparse_attention(q, rows, torch.arange(rows.shape[0])[None], scale, sink=sinks)
 
 
-def _dsv4_sinks(scores: torch.Tensor) -> torch.Tensor:
+def _dsv4_truth(call, rows: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    return _dsv4_oracle(call, rows, sinks)[0]
+
+
+def _dsv4_sinks(call, rows: torch.Tensor) -> torch.Tensor:
     """A finite sink a head, at the head's LSE plus :data:`SINK_OFFSETS` (fp32, as the engines pass)."""
-    return (torch.logsumexp(scores, dim=-1) + SINK_OFFSETS[:scores.shape[0]]).float()
+    lse = _dsv4_oracle(call, rows, None)[1][0]
+    return (lse + SINK_OFFSETS[:lse.shape[0]]).float()
 
 
 def _run_dsv4(record_name: str, call, sinks: torch.Tensor | None, num_splits: int) -> torch.Tensor:
@@ -231,9 +234,9 @@ def test_dsv4_combine_of_more_than_32_ranges(record_name, num_splits, regime, mo
     call, scores, rows = _dsv4_case(record_name, regime, compressed, seed=num_splits + len(regime))
     if regime == "peaked":
         _assert_peak_is_late(_split_lse(scores, block_n), num_splits)
-    sinks = _dsv4_sinks(scores)
+    sinks = _dsv4_sinks(call, rows)
     out = _run_dsv4(record_name, call, sinks, num_splits)
-    _check(out, _dsv4_truth(scores, rows, sinks), catalog.TRITON_DSV4_SPEC.accuracy,
+    _check(out, _dsv4_truth(call, rows, sinks), catalog.TRITON_DSV4_SPEC.accuracy,
            f"dsv4 {record_name} {num_splits} ranges {regime}")
 
 
@@ -243,11 +246,11 @@ def test_dsv4_unsplit_with_a_finite_sink(record_name, regime, monkeypatch):
     """One range (the FINAL program: the sink's mass added to its own denominator), a sink near each
     head's LSE on both records: one sink, applied once, against float64 at the exact class."""
     monkeypatch.delenv("MLA_SM120_SPLITS", raising=False)
-    call, scores, rows = _dsv4_case(record_name, regime, 100, seed=7 + len(regime))
-    sinks = _dsv4_sinks(scores)
+    call, _, rows = _dsv4_case(record_name, regime, 100, seed=7 + len(regime))
+    sinks = _dsv4_sinks(call, rows)
     assert bool((sinks != 0).all()) and bool(sinks.isfinite().all())
     out = _run_dsv4(record_name, call, sinks, 1)
-    want = _dsv4_truth(scores, rows, sinks)
+    want = _dsv4_truth(call, rows, sinks)
     _check(out, want, catalog.TRITON_DSV4_SPEC.accuracy, f"dsv4 {record_name} unsplit {regime}")
     # the comparison can fail: without its sink the same output is far from the truth
-    assert EXACT_CLASS_BOUND.violations(measure(out, _dsv4_truth(scores, rows, None)))
+    assert EXACT_CLASS_BOUND.violations(measure(out, _dsv4_truth(call, rows, None)))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.layout_oracle import dsv4_oracle_attention, dsv4_oracle_row, encode_dsv4_nvfp4_row
+from support.layout_oracle import dsv4_oracle_row, encode_dsv4_nvfp4_row
+from support.oracle import dsv4_sparse_attention
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
 from mla_sm120_plugin.kernels.dsv4.reference import dsv4_attention_reference
@@ -76,7 +77,7 @@ def test_the_reference_on_nvfp4_caches_matches_the_float64_oracle():
     out = dsv4_attention_reference(q, swa, swa_idx, 64, sm_scale=512**-0.5, swa_lengths=swa_len, extra_cache=comp,
                                    extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=2, sinks=sinks,
                                    record=REC)
-    want = dsv4_oracle_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, comp_len, 2)], sinks, "nvfp4")
+    want, _ = dsv4_sparse_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, comp_len, 2)], sinks, "nvfp4")
     assert EXACT_CLASS_BOUND.violations(measure(out, want)) == []
     assert bool((out[2] == 0).all())
 
@@ -108,6 +109,6 @@ def test_the_triton_kernel_reads_the_nvfp4_record_as_the_float64_oracle(heads, w
     out = dsv4_attention(q, swa, swa_idx, window_page, sm_scale=512**-0.5, swa_lengths=swa_len, sinks=sinks,
                          record=REC, **(extra if which == "both" else {}))
     parts = [(swa, swa_idx, swa_len, window_page)] + ([(comp, comp_idx, comp_len, extra_page)] if which == "both" else [])
-    want = dsv4_oracle_attention(q, parts, sinks, "nvfp4")
+    want, _ = dsv4_sparse_attention(q, parts, sinks, "nvfp4")
     assert EXACT_CLASS_BOUND.violations(measure(out, want)) == []
     assert bool((out[2] == 0).all())

@@ -16,7 +16,8 @@ import struct
 import pytest
 import torch
 
-from support.layout_oracle import bf16, dsv4_oracle_attention as oracle_attention, dsv4_oracle_row as oracle_row, e4m3_byte, e4m3fn
+from support.layout_oracle import bf16, dsv4_oracle_row as oracle_row, e4m3_byte, e4m3fn
+from support.oracle import dsv4_sparse_attention
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack
@@ -172,7 +173,7 @@ def test_reference_matches_the_float64_oracle(sink, which):
         kwargs.update(extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=2)
         parts.append((comp, comp_idx, comp_len, 2))
     out = dsv4_attention_reference(q, swa, swa_idx, 64, **kwargs)
-    want = oracle_attention(q, parts, sinks)
+    want, _ = dsv4_sparse_attention(q, parts, sinks)
     assert torch.equal(out[2].float(), torch.zeros(8, 512)) or which == "window" and swa_len[2] > 0
     acc = measure(out, want)
     assert not EXACT_CLASS_BOUND.violations(acc), acc
@@ -185,7 +186,8 @@ def test_reference_pages_and_head_counts(heads, window_page, extra_page):
     out = dsv4_attention_reference(q, swa, swa_idx, window_page, sm_scale=SCALE, swa_lengths=swa_len,
                                    extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len,
                                    extra_page_size=extra_page)
-    want = oracle_attention(q, [(swa, swa_idx, swa_len, window_page), (comp, comp_idx, comp_len, extra_page)], None)
+    want, _ = dsv4_sparse_attention(q, [(swa, swa_idx, swa_len, window_page), (comp, comp_idx, comp_len, extra_page)],
+                                    None)
     assert not EXACT_CLASS_BOUND.violations(measure(out, want))
 
 
@@ -195,7 +197,7 @@ def test_a_wrong_page_size_is_caught_by_the_oracle():
     q, swa, swa_idx, swa_len, comp, comp_idx, comp_len = _two_cache_case(seed=9)
     out = dsv4_attention_reference(q, swa, swa_idx, 64, sm_scale=SCALE, swa_lengths=swa_len, extra_cache=comp,
                                    extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=1)
-    want = oracle_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, comp_len, 2)], None)
+    want, _ = dsv4_sparse_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, comp_len, 2)], None)
     assert EXACT_CLASS_BOUND.violations(measure(out, want))
 
 
@@ -232,7 +234,7 @@ def _run_both(q, swa, swa_idx, swa_len, comp, comp_idx, comp_len, window_page=64
         kwargs.update(extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=extra_page)
         parts.append((comp, comp_idx, comp_len, extra_page))
     out = triton_mod.dsv4_attention(q, swa, swa_idx, window_page, **kwargs)
-    return out, oracle_attention(q, parts, sinks)
+    return out, dsv4_sparse_attention(q, parts, sinks)[0]
 
 
 @pytest.mark.parametrize("sink", list(SINKS))
@@ -263,8 +265,8 @@ def test_triton_kernel_converts_wide_lengths_and_sinks():
     out = triton_mod.dsv4_attention(q, swa, swa_idx, 64, sm_scale=SCALE, swa_lengths=swa_len.to(torch.int64),
                                     extra_cache=comp, extra_indices=comp_idx, extra_lengths=lengths,
                                     extra_page_size=2, sinks=sinks)
-    want = oracle_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, lengths.clamp(max=2**31 - 1), 2)],
-                            sinks.float())
+    want, _ = dsv4_sparse_attention(q, [(swa, swa_idx, swa_len, 64), (comp, comp_idx, lengths.clamp(max=2**31 - 1), 2)],
+                                    sinks.float())
     assert not EXACT_CLASS_BOUND.violations(measure(out, want))
 
 
@@ -298,5 +300,5 @@ def test_triton_kernel_clamps_lengths_to_the_rows_width():
     over = torch.full_like(swa_len, swa_idx.shape[1] + 9), torch.full_like(comp_len, comp_idx.shape[1] + 16)
     out = triton_mod.dsv4_attention(q, swa, view_swa, 64, sm_scale=SCALE, swa_lengths=over[0], extra_cache=comp,
                                     extra_indices=view_comp, extra_lengths=over[1], extra_page_size=2)
-    want = oracle_attention(q, [(swa, view_swa, None, 64), (comp, view_comp, None, 2)], None)
+    want, _ = dsv4_sparse_attention(q, [(swa, view_swa, None, 64), (comp, view_comp, None, 2)], None)
     assert not EXACT_CLASS_BOUND.violations(measure(out, want))

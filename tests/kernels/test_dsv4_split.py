@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from support.layout_oracle import dsv4_oracle_attention as oracle_attention
+from support.oracle import dsv4_sparse_attention
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack, plan
 from mla_sm120_plugin.kernels.shared.host import cdiv
@@ -69,7 +69,7 @@ def _run(case, record, *, splits=None, sinks=None, window_only=False, workspace=
         kwargs.update(extra_cache=comp, extra_indices=comp_idx, extra_lengths=comp_len, extra_page_size=2)
         parts.append((comp, comp_idx, comp_len, 2))
     out = triton_mod.dsv4_attention(q, swa, swa_idx, 64, **kwargs)
-    return out, oracle_attention(q, parts, sinks, record="nvfp4" if record.nope_bits == 4 else "fp8")
+    return out, dsv4_sparse_attention(q, parts, sinks, record="nvfp4" if record.nope_bits == 4 else "fp8")[0]
 
 
 @pytest.mark.parametrize("record_name", list(RECORDS))

@@ -27,6 +27,7 @@ import torch
 from support import layout_oracle
 from support.cli import assert_three_parts, clean_env
 from support.kernel_checks import BF16_ULP, DEVICE, KERNEL_REL_TOL, ON_GPU, scaled_atol
+from support.oracle import sparse_attention
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin import sparse_mla_forward
@@ -213,11 +214,10 @@ def _to_device(view: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
-def float64_attention(case, topk_length=None, sink=None):
+def _truth(case, topk_length=None, sink=None):
+    """The oracle's (out, natural-log lse without the sink) over the rows the bytes hold."""
     keys = layout_oracle.decode_cache(case["kv_cache"], case["kv_layout"])  # [S, 512] float64 from the bytes
-    return layout_oracle.attention(case["q"].cpu(), keys, case["indices"].cpu(), case["sm_scale"],
-                                   None if topk_length is None else topk_length.cpu(),
-                                   None if sink is None else sink.cpu())
+    return sparse_attention(case["q"], keys, case["indices"], case["sm_scale"], topk_length=topk_length, sink=sink)
 
 
 def assert_matches_float64(got, want, rel: float) -> None:
@@ -275,7 +275,7 @@ def test_engine_index_widths_match_float64(make_case, name):
     """Top-k 2176 (vLLM) and 2051 (SGLang) with -1 padding and the adversarial lead of token 0: every
     kernel within its tolerance of float64 attention over the bytes."""
     case, path = _build(make_case, WIDE[name], seed=11)
-    want = float64_attention(case)
+    want = _truth(case)
     for kernel in _kernels_for(case["kv_layout"]):
         got, rel = _run(kernel, case, path)
         assert_matches_float64(got, want, rel)
@@ -291,7 +291,7 @@ def test_heads_pages_and_short_lengths_match_float64(make_case, name):
     if tokens > 1:
         lengths[1] = 33  # cuts a block in two
     sink = torch.linspace(-1.0, 2.0, heads, device=DEVICE)
-    want = float64_attention(case, lengths, sink)
+    want = _truth(case, lengths, sink)
     for kernel in _kernels_for(case["kv_layout"]):
         got, rel = _run(kernel, case, path, topk_length=lengths, sink=sink)
         assert_matches_float64(got, want, rel)
@@ -302,7 +302,7 @@ def test_empty_rows_give_zero_and_minus_inf(make_case):
                       seed=3, num_pages=2)
     case["indices"][1] = -1
     case["indices"][2, :] = 2**31 - 1
-    want = float64_attention(case)
+    want = _truth(case)
     for kernel in _kernels_for("fp8_nope"):
         (out, lse), rel = _run(kernel, case, "decode")
         assert torch.all(out[1:].cpu() == 0) and torch.all(lse[1:].cpu() == -math.inf), kernel
@@ -333,7 +333,7 @@ def test_the_fast_tolerance_still_catches_a_wrong_scale(make_case):
     """What 0.15 must catch on a rope-less cache: every tile read with tile 0's scale."""
     case = glm53_case(make_case, "fp8_nope", heads=16, tokens=2, width=100, valid=100, page_size=64, scale_format="arbitrary",
                       seed=8, num_pages=2)
-    want = float64_attention(case)
+    want = _truth(case)
     rows = case["kv_cache"].reshape(-1, 528)
     scales = rows[:, 512:528].contiguous().view(torch.float32)
     rows[:, 512:528] = scales[:, :1].expand(-1, 4).contiguous().view(torch.uint8)
@@ -351,7 +351,7 @@ def test_public_entry_serves_every_nope_layout(make_case, kv_layout):
     Triton kernel by name, on a rope-less case."""
     case = glm53_case(make_case, kv_layout, heads=8, tokens=2, width=40, valid=36, page_size=64, scale_format="pow2", seed=9,
                       num_pages=2)
-    want = float64_attention(case)
+    want = _truth(case)
     for kernel in ("auto", "triton_sparse_mla"):
         out, lse = sparse_mla_forward(case["q"], case["kv_cache"], case["indices"], sm_scale=case["sm_scale"],
                                       kv_layout=kv_layout, kernel=kernel, return_lse=True)

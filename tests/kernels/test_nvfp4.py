@@ -12,6 +12,7 @@ import torch
 
 from support import layout_oracle
 from support.kernel_checks import KERNEL_REL_TOL
+from support.oracle import sparse_attention
 from mla_sm120_plugin.errors import KernelInputError
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa import triton as tk
@@ -163,8 +164,7 @@ def test_kernels_match_float64_attention_over_the_oracles_rows(nv_case, name, ke
     remains, as for every other layout), 2e-5 for the reference (fp32 dots)."""
     case, topk_length = _adversarial(nv_case, name)
     keys = layout_oracle.decode_cache(case.kv_cache, NV)
-    want, want_lse = layout_oracle.attention(case.q.double().cpu(), keys, case.indices.cpu(), case.sm_scale,
-                                             None if topk_length is None else topk_length.cpu())
+    want, want_lse = sparse_attention(case.q, keys, case.indices, case.sm_scale, topk_length=topk_length)
     args = dict(sm_scale=case.sm_scale, kv_layout=NV, topk_length=topk_length, return_lse=True)
     if kernel == "reference":
         if case.q.device.type != "cpu":

@@ -1,7 +1,8 @@
-"""The torch reference against an independent dense formula, and its masking and memory contracts.
+"""The torch reference against the tests' float64 oracle, and its masking and memory contracts.
 
-The formula reads the cache through tests/support/layout_oracle.py (struct and integer arithmetic from the
-byte layout), not through the packer's dequantizer the reference itself uses.
+The oracle (tests/support/oracle.py, itself held to a dense formula by tests/unit/test_oracle.py) reads
+the cache through tests/support/layout_oracle.py (struct and integer arithmetic from the byte layout),
+not through the packer's dequantizer the reference itself uses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cpu_memory import LiveTensorPeak  # benchmarks/ is on pytest's pythonpath
 
 from support import layout_oracle
 from support.kernel_checks import BF16_ULP, scaled_atol
+from support.oracle import sparse_attention
 from mla_sm120_plugin.kernels.dsa import layout, pack
 from mla_sm120_plugin.kernels.dsa.reference import bytes_per_token, tokens_per_chunk, torch_sparse_mla
 
@@ -32,39 +34,21 @@ def make_case(make_case):
     return functools.partial(make_case, device="cpu")
 
 
-def dense_formula(q, kv_cache, indices, sm_scale, kv_layout, topk_length=None, sink=None):
-    """Independent formula: every slot scored densely, each weighted by how often it is a valid
-    candidate (duplicates count twice), so no gather and no per-candidate softmax is involved."""
+def oracle(q, kv_cache, indices, sm_scale, kv_layout, topk_length=None, sink=None):
+    """The tests' float64 attention (tests/support/oracle.py) over the rows the bytes hold, read by
+    tests/support/layout_oracle.py: (out, natural-log lse without the sink)."""
     keys = layout_oracle.decode_cache(kv_cache, kv_layout)  # [S, 576] float64
-    num_slots = keys.shape[0]
-    num_tokens, topk = indices.shape
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < num_slots)
-    if topk_length is not None:
-        valid &= torch.arange(topk)[None, :] < topk_length.long()[:, None]
-    counts = torch.zeros(num_tokens, num_slots + 1, dtype=torch.float64)
-    counts.scatter_add_(1, torch.where(valid, idx, num_slots), valid.double())
-    counts = counts[:, :num_slots]  # [T, S]
-    scores = torch.einsum("thd,sd->ths", q.double(), keys) * sm_scale  # [T, H, S]
-    scores = scores.masked_fill(counts[:, None, :] == 0, -math.inf)
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True).nan_to_num(neginf=0)) * counts[:, None, :]
-    total = weights.sum(-1)  # [T, H]
-    lse = torch.log(total) + scores.amax(-1).nan_to_num(neginf=0)
-    lse = torch.where(total > 0, lse, -math.inf)
-    out = (weights @ keys[:, : layout.KV_LORA_RANK]) / total.clamp(min=1e-300)[..., None]
-    if sink is not None:
-        out = out / (1 + torch.exp(sink.double()[None, :] - lse))[..., None]
-    return out, lse
+    return sparse_attention(q, keys, indices, sm_scale, topk_length=topk_length, sink=sink)
 
 
 @pytest.mark.parametrize("kv_layout", layout.KV_LAYOUTS)
 @pytest.mark.parametrize("scale_format", layout.SCALE_FORMATS)
-def test_matches_dense_formula(make_case, kv_layout, scale_format):
+def test_matches_the_oracle(make_case, kv_layout, scale_format):
     case = make_case(kv_layout=kv_layout, scale_format=scale_format, num_tokens=6, num_heads=5, topk=90,
                      q_dtype=torch.float32)
     out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                                 kv_layout=kv_layout, return_lse=True)
-    ref_out, ref_lse = dense_formula(case.q, case.kv_cache, case.indices, case.sm_scale, kv_layout)
+    ref_out, ref_lse = oracle(case.q, case.kv_cache, case.indices, case.sm_scale, kv_layout)
     assert out.shape == (6, 5, layout.KV_LORA_RANK) and out.dtype == torch.float32
     assert lse.shape == (6, 5) and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out, atol=scaled_atol(ref_out, REF_REL_TOL), rtol=0)
@@ -75,7 +59,7 @@ def test_bf16_q_gives_bf16_out_rounded_from_fp32(make_case):
     case = make_case(num_heads=3)
     out = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                            kv_layout=case.kv_layout)
-    exact, _ = dense_formula(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout)
+    exact, _ = oracle(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout)
     assert out.dtype == torch.bfloat16
     # One bf16 rounding of an fp32 result: within half a bf16 ulp of it, plus fp32's own error.
     torch.testing.assert_close(out.double(), exact, atol=scaled_atol(exact, REF_REL_TOL), rtol=BF16_ULP / 2)
@@ -124,15 +108,14 @@ def test_topk_length_masks_the_tail(make_case):
     lengths = torch.tensor([50, 17, 0, 80], dtype=torch.int32)  # full, prefix, none, longer than topk
     out, lse = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                                 kv_layout=case.kv_layout, topk_length=lengths, return_lse=True)
-    keys = layout_oracle.decode_cache(case.kv_cache, case.kv_layout)
-    ref_out, ref_lse = layout_oracle.attention(case.q, keys, case.indices, case.sm_scale, topk_length=lengths)
+    ref_out, ref_lse = oracle(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout, topk_length=lengths)
     torch.testing.assert_close(out.double(), ref_out, atol=scaled_atol(ref_out, REF_REL_TOL), rtol=0)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite) and torch.all(torch.isneginf(lse[2]))
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=scaled_atol(ref_lse[finite], REF_REL_TOL),
                                rtol=0)
     # 80 > top-k 50 is clamped: the same as the whole row.
-    full, _ = layout_oracle.attention(case.q[3:], keys, case.indices[3:], case.sm_scale)
+    full, _ = oracle(case.q[3:], case.kv_cache, case.indices[3:], case.sm_scale, case.kv_layout)
     torch.testing.assert_close(out[3:].double(), full, atol=scaled_atol(full, REF_REL_TOL), rtol=0)
 
 
@@ -145,7 +128,7 @@ def test_sink_and_lse_base(make_case):
                                         kv_layout=case.kv_layout, return_lse=True)
     _, lse_2 = torch_sparse_mla(case.q, case.kv_cache, case.indices, sm_scale=case.sm_scale,
                                 kv_layout=case.kv_layout, return_lse=True, lse_base="2")
-    ref_out, _ = dense_formula(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout, sink=sink)
+    ref_out, _ = oracle(case.q, case.kv_cache, case.indices, case.sm_scale, case.kv_layout, sink=sink)
     torch.testing.assert_close(out.double(), ref_out, atol=scaled_atol(ref_out, REF_REL_TOL), rtol=0)
     expected = plain * torch.sigmoid(lse_plain - sink)[..., None]  # 1/(1+exp(sink-lse))
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)

@@ -16,7 +16,7 @@ import logging
 
 import pytest
 import torch
-from support.layout_oracle import dsv4_oracle_attention
+from support.oracle import dsv4_sparse_attention
 from test_dsv4_launch import _launch, _model
 
 from mla_sm120_plugin.integration.sglang import dsa, dsv4, flags, hooks, install, names, translate  # noqa: F401
@@ -60,7 +60,7 @@ def _call(tokens, heads, extra_page, seed=0, out_of_range=True):
         elens = torch.randint(0, 65, (tokens,), generator=gen, dtype=torch.int32)
         kwargs.update(extra_k_cache=extra, extra_indices_in_kvcache=eidx, extra_topk_length=elens)
         parts.append((extra_pool, eidx[:, 0], elens, extra_page))
-    want = dsv4_oracle_attention(kwargs["q"][:, 0], parts, sinks)
+    want, _ = dsv4_sparse_attention(kwargs["q"][:, 0], parts, sinks)
     return kwargs, want
 
 

@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 from support.model_configs import write_model
+from support.oracle import sparse_attention
 from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache
 from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache
@@ -66,16 +67,10 @@ def _sglang_slots(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, 
 
 
 def _dense_reference(q, cache, kv, slots, lengths, sm_scale) -> torch.Tensor:
-    """Attention in float64 over the slots each row selects, on SGLang's own dequantization of its cache."""
+    """Attention in float64 (tests/support/oracle.py) over the slots each row selects, on SGLang's own
+    dequantization of its cache."""
     keys = (dequantize_k_cache(cache) if kv == "fp8_e4m3" else cache).view(-1, layout.HEAD_DIM).double()
-    out = torch.zeros(q.shape[0], q.shape[1], layout.KV_LORA_RANK, dtype=torch.float64)
-    for t in range(q.shape[0]):
-        row = slots[t, : lengths[t]].long()
-        row = row[(row >= 0) & (row < keys.shape[0])]
-        k = keys[row]  # [n, 576]
-        p = torch.softmax(q[t].double() @ k.T * sm_scale, dim=-1)
-        out[t] = p @ k[:, : layout.KV_LORA_RANK]
-    return out
+    return sparse_attention(q, keys, slots, sm_scale, topk_length=lengths)[0]
 
 
 def _through_sglang(phase_entry, mode, q, cache, dim, slots, lengths, sm_scale):
@@ -123,13 +118,13 @@ def test_forward_matches_the_reference(tmp_path, capability, monkeypatch, kv, en
     print(f"\nmax |out - dense| / max |dense|, {kv} {mode.name} ({kernel}): {err:.2e}")
     assert err < 2e-2
     # And against float64 over the rows exactly as the bytes hold them, in the kernel's own bound.
-    from support.layout_oracle import attention, decode_cache
+    from support.layout_oracle import decode_cache
 
     from mla_sm120_plugin.hooks.manager import get_registry
     from mla_sm120_plugin.kernels.accuracy import measure
 
     keys = decode_cache(cache, layout.FP8_DS_MLA) if kv == "fp8_e4m3" else cache.view(-1, layout.HEAD_DIM).double()
-    exact, _ = attention(q, keys, slots, sm_scale, topk_length=lengths)
+    exact, _ = sparse_attention(q, keys, slots, sm_scale, topk_length=lengths)
     got = measure(out, exact)
     assert not get_registry().kernels[kernel].accuracy.violations(got), got
 
@@ -140,7 +135,7 @@ def test_the_fast_kernel_through_sglang_is_exact_class(tmp_path, capability, mon
     """The fp8-MMA kernel on a cache SGLang's own writer packed, through SGLang's call site (per-row
     lengths, its index transform), against float64 attention over the rows exactly as the bytes
     hold them (tests/support/layout_oracle.py): within its declared exact-class bound."""
-    from support.layout_oracle import attention, decode_cache
+    from support.layout_oracle import decode_cache
 
     from mla_sm120_plugin.kernels.accuracy import EXACT_COS_DIFF, EXACT_REL_RMS, measure
 
@@ -154,7 +149,7 @@ def test_the_fast_kernel_through_sglang_is_exact_class(tmp_path, capability, mon
     sm_scale = 0.135  # DeepSeek-V3.2's: a peaked softmax
     out = _through_sglang(getattr(dsa, f"around_{entry}"), mode, q, cache, dim, slots, lengths, sm_scale)
     assert [kernel_name for kernel_name, *_ in ran] == [TRITON_FAST]
-    expected, _ = attention(q, decode_cache(cache, layout.FP8_DS_MLA), slots, sm_scale, topk_length=lengths)
+    expected, _ = sparse_attention(q, decode_cache(cache, layout.FP8_DS_MLA), slots, sm_scale, topk_length=lengths)
     got = measure(out, expected)
     assert not TRITON_FAST_SPEC.accuracy.violations(got), got
     assert got.cos_diff <= EXACT_COS_DIFF and got.rel_rms <= EXACT_REL_RMS, got

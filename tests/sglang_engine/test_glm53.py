@@ -3,8 +3,8 @@
 SGLang alone has no fp8 path for it on SM12x (trtllm, which does not run there; its kpool guard
 allows fa3/tilelang/trtllm only). With the plugin, the launcher routes both phases to the call site
 the plugin serves, SGLang's pool packs 528-byte rows, and the kernels read SGLang's 2051-wide
-token-slot rows. Expected values: float64 attention over the rows as tests/support/layout_oracle.py
-decodes the bytes SGLang's own writer produced.
+token-slot rows. Expected values: float64 attention (tests/support/oracle.py) over the rows as
+tests/support/layout_oracle.py decodes the bytes SGLang's own writer produced.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import types
 
 import pytest
 import torch
-from support.layout_oracle import attention, decode_cache
+from support.layout_oracle import decode_cache
 from support.model_configs import write_model
+from support.oracle import sparse_attention
 from support.sglang_launch import resolve, server_args
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
 from sglang.srt.arg_groups import overrides
@@ -107,6 +108,6 @@ def test_a_forward_through_sglangs_call_site_matches_float64(tmp_path, capabilit
     out = getattr(dsa, f"around_{entry}")(sglang_forward, None, q, None, None, None,
                                              types.SimpleNamespace(forward_mode=mode))
     assert out.shape == (num_tokens, HEADS, 512)
-    expected, _ = attention(q, decode_cache(rows, layout_name), ids, 256**-0.5, topk_length=lengths)
+    expected, _ = sparse_attention(q, decode_cache(rows, layout_name), ids, 256**-0.5, topk_length=lengths)
     err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert err < 1e-2, err

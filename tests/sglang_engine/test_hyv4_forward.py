@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-from support.layout_oracle import attention
 from support.model_configs import write_model
+from support.oracle import sparse_attention
 from sglang.srt.arg_groups import overrides
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -82,9 +82,9 @@ def test_the_sink_reaches_the_plugins_kernel_in_both_phases(tmp_path, capability
     sink[3] = float("-inf")
     out = _call(entry, mode, q, cache, slots, lengths, sm_scale, sink)
     keys = cache.view(-1, layout.HEAD_DIM).double()
-    truth, _ = attention(q, keys, slots, sm_scale, topk_length=lengths, sink=sink)
+    truth, _ = sparse_attention(q, keys, slots, sm_scale, topk_length=lengths, sink=sink)
     assert EXACT_CLASS_BOUND.violations(measure(out, truth)) == [], measure(out, truth)
-    without, _ = attention(q, keys, slots, sm_scale, topk_length=lengths)  # the sink dropped
+    without, _ = sparse_attention(q, keys, slots, sm_scale, topk_length=lengths)  # the sink dropped
     assert measure(without, truth).rel_rms > 0.01
 
 

@@ -1,4 +1,4 @@
-"""The tests' helpers, one package (``tests/`` is on pytest's pythonpath: ``from support.cli import clean_env``).
+"""The tests' helpers, one package (``tests/`` is on pytest's pythonpath: ``from support.oracle import ...``).
 
 Torch-free (import without torch; tests/unit/test_support_imports.py holds them to it):
 
@@ -16,7 +16,10 @@ With torch:
 
 - :mod:`support.layout_oracle`: the independent reader of the cache bytes (``struct`` and integer
   arithmetic, never the package's code): every DSA layout, DeepSeek-V4's two records, the NVFP4 writers'
-  formulas; and attention in float64 over the rows it reads.
+  formulas.
+- :mod:`support.oracle`: the one float64 attention every kernel, dispatch, engine and DCP test checks
+  against: :func:`~support.oracle.sparse_attention` over dequantized rows (optional sink, the LSE in a
+  stated base, the sink in it or not) and DeepSeek-V4's two-cache call, :func:`~support.oracle.dsv4_attention`.
 - :mod:`support.kernel_checks`: the test device, kernel-vs-reference tolerances, a tensor against an
   unreadable page, FlashInfer's refusal on this machine, an allocation counter.
 - :mod:`support.kernel_cases`: random caches in any DSA layout with candidates and q (the ``make_case``

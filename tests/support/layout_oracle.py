@@ -1,4 +1,6 @@
-"""An independent reader of the cache bytes, and attention in float64: the tests' ground truth.
+"""An independent reader of the cache bytes: the tests' ground truth for what a cached row holds.
+
+Float64 attention over the rows it reads is :mod:`support.oracle` (one function for every test).
 
 Written from docs/facts.md (DSA cache layouts, sparse-MLA semantics, rope-less layouts) alone, with Python's ``struct`` and integer arithmetic: no torch
 fp8 dtype, no ``view(torch.float32)``, nothing of ``mla_sm120_plugin.kernels`` (not even
@@ -170,35 +172,8 @@ def decode_cache(kv_cache: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.tensor([decode_row(row, layout) for row in raw_rows(kv_cache)], dtype=torch.float64)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-              topk_length: torch.Tensor | None = None, sink: torch.Tensor | None = None):
-    """The sparse-MLA semantics (docs/facts.md#sparse-mla-semantics) in float64, token by token and head by head over each token's valid candidates.
-
-    keys: [num_slots, D] float64 (:func:`decode_cache`; D = 576, or 512 rope-less), q: [T, H, D].
-    Returns out [T, H, 512] and the natural-log
-    lse [T, H] (-inf and out 0 for a token with no valid candidate); duplicates count twice; a sink
-    scales out by 1 / (1 + exp(sink - lse)) and leaves lse alone.
-    """
-    num_slots = keys.shape[0]
-    tokens, heads = q.shape[:2]
-    out = torch.zeros(tokens, heads, LATENT, dtype=torch.float64)
-    lse = torch.full((tokens, heads), -math.inf, dtype=torch.float64)
-    for t in range(tokens):
-        limit = indices.shape[1] if topk_length is None else min(int(topk_length[t]), indices.shape[1])
-        ids = [int(i) for i in indices[t, :limit] if 0 <= int(i) < num_slots]
-        if not ids:
-            continue
-        k = keys[ids]  # [n, D]
-        s = sm_scale * (q[t].double() @ k.T)  # [H, n]
-        lse[t] = torch.logsumexp(s, dim=-1)
-        out[t] = torch.softmax(s, dim=-1) @ k[:, :LATENT]
-        if sink is not None:
-            out[t] /= (1 + torch.exp(sink.double() - lse[t]))[:, None]
-    return out, lse
-
-
 # DeepSeek-V4's 584-byte page-major record (docs/facts.md#deepseek-v4): data rows [P x 576], then scale rows [P x 8].
-_DSV4_DATA, _DSV4_SCALES, _DSV4_NOPE, _DSV4_SCALE = 576, 8, 448, 512**-0.5
+_DSV4_DATA, _DSV4_SCALES, _DSV4_NOPE = 576, 8, 448
 
 
 # The NVFP4 record (FlashInfer's kv_cache_format="nvfp4"): data rows [P x 352] = 224 bytes of e2m1
@@ -209,8 +184,18 @@ _NVFP4_DATA, _NVFP4_SCALES, _NVFP4_NOPE_BYTES, _NVFP4_GROUP = 352, 32, 224, 16
 def dsv4_oracle_row(cache: torch.Tensor, slot: int, page_size: int, record: str = "fp8") -> list[float]:
     """Slot ``slot``'s 512 values, read from the bytes (``record``: "fp8", the 584-byte record, or
     "nvfp4", the 384-byte one)."""
-    raw = cache.reshape(-1).tolist()
-    stride = cache.shape[1]
+    return _dsv4_row(cache.reshape(-1).tolist(), cache.shape[1], slot, page_size, record)
+
+
+def dsv4_oracle_rows(cache: torch.Tensor, slots, page_size: int, record: str = "fp8") -> torch.Tensor:
+    """The slots ``slots``' values, read from the bytes as :func:`dsv4_oracle_row` reads one (the
+    cache's bytes listed once): [len(slots), 512] float64."""
+    raw, stride = cache.reshape(-1).tolist(), cache.shape[1]
+    return torch.tensor([_dsv4_row(raw, stride, int(s), page_size, record) for s in slots],
+                        dtype=torch.float64).reshape(-1, _DSV4_NOPE + 64)
+
+
+def _dsv4_row(raw: list[int], stride: int, slot: int, page_size: int, record: str) -> list[float]:
     page, row = divmod(slot, page_size)
     if record == "nvfp4":
         data_at = page * stride + row * _NVFP4_DATA
@@ -247,33 +232,6 @@ def encode_dsv4_nvfp4_row(values: list[float]) -> tuple[bytes, bytes]:
         bits = struct.unpack("<I", struct.pack("<f", v))[0] >> 16
         data[_NVFP4_NOPE_BYTES + 2 * i: _NVFP4_NOPE_BYTES + 2 * i + 2] = struct.pack("<H", bits)
     return bytes(data), bytes(scales)
-
-
-def dsv4_oracle_attention(q, parts, sinks, record: str = "fp8") -> torch.Tensor:
-    """float64 attention; ``parts`` = [(cache, indices [T, K], lengths [T] or None, page_size)]."""
-    tokens, heads, _ = q.shape
-    out = torch.zeros(tokens, heads, 512, dtype=torch.float64)
-    qd = q.double()
-    for t in range(tokens):
-        rows = []
-        for cache, indices, lengths, page in parts:
-            capacity = cache.shape[0] * page
-            count = indices.shape[1] if lengths is None else min(max(int(lengths[t]), 0), indices.shape[1])
-            for i in range(count):
-                idx = int(indices[t, i])
-                if 0 <= idx < capacity:
-                    rows.append(dsv4_oracle_row(cache, idx, page, record))
-        if not rows:
-            continue
-        keys = torch.tensor(rows, dtype=torch.float64)
-        for h in range(heads):
-            s = (keys @ qd[t, h]) * _DSV4_SCALE
-            sink = -math.inf if sinks is None else float(sinks[h])
-            m = max(float(s.max()), sink)
-            w = torch.exp(s - m)
-            denom = float(w.sum()) + (math.exp(sink - m) if sink != -math.inf else 0.0)
-            out[t, h] = (w[:, None] * keys).sum(0) / denom
-    return out
 
 
 def dsv4_roped_bf16(row: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

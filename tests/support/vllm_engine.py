@@ -264,6 +264,22 @@ def vllm_log(level: int = logging.INFO) -> Iterator[list[str]]:
         root.setLevel(saved)
 
 
+def logical_to_rows(logical, q_lens: list[int], block_table: list[list[int]], page: int, stride_rows: int):
+    """What vLLM's conversion of the top-k buffer is meant to give, restated for the expected values: a
+    request's logical position ``p`` at row ``block_table[r][p // page] * stride_rows + p % page`` of the
+    backing (blocks ``stride_rows`` rows apart, as vLLM interleaves layers); -1 kept.
+
+    returns: [T, topk] int64, ids into the backing's rows (the oracle's ``ids``)
+    """
+    req_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    out = torch.full(logical.shape, -1, dtype=torch.int64)
+    for t in range(logical.shape[0]):
+        for j, p in enumerate(logical[t].tolist()):
+            if p >= 0:
+                out[t, j] = block_table[int(req_of[t])][p // page] * stride_rows + p % page
+    return out
+
+
 def logical_topk(gen, q_lens: list[int], seq_lens: list[int], topk: int):
     """vLLM's top-k buffer before forward_mqa converts it: per query token, random causal positions
     in its request (one duplicated, which counts twice), at random places in the row, -1 padded.

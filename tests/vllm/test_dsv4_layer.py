@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from support.layout_oracle import dsv4_oracle_attention
+from support.oracle import dsv4_sparse_attention
 
 from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
 from mla_sm120_plugin.engines import installed_release, lookup
@@ -293,7 +293,7 @@ def test_a_forward_through_the_plugins_layer_matches_float64(model_dir, tmp_path
     out = torch.full((b.tokens, layer.padded_heads, 512), float("nan"), dtype=torch.bfloat16)
     with set_forward_context(metadata, cfg, num_tokens=b.tokens):
         layer.forward_mqa(q, None, b.pos, out)
-    want = dsv4_oracle_attention(q, parts, layer.attn_sink.detach())
+    want, _ = dsv4_sparse_attention(q, parts, layer.attn_sink.detach())
     got = measure(out, want)
     assert EXACT_CLASS_BOUND.violations(got) == [], got
 
@@ -370,7 +370,7 @@ def test_an_nvfp4_step_writes_the_record_and_its_forward_matches_float64(model_d
     x = q.double() * torch.rsqrt(q.double().square().mean(-1, keepdim=True) + layer.eps)
     assert q_in.shape == (b.tokens, layer.padded_heads, 512) and bool((q_in[:, layer.n_local_heads:] == 0).all())
     assert torch.allclose(q_in[:, :layer.n_local_heads, :448].double(), x[..., :448], rtol=2 ** -7, atol=1e-6)
-    want = dsv4_oracle_attention(q_in, parts, layer.attn_sink.detach(), record="nvfp4")
+    want, _ = dsv4_sparse_attention(q_in, parts, layer.attn_sink.detach(), record="nvfp4")
     got = measure(out, want)
     assert EXACT_CLASS_BOUND.violations(got) == [], got
 

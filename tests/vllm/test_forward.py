@@ -2,20 +2,24 @@
 
 vLLM's own metadata builder turns a real CommonAttentionMetadata (2 decode requests, 2 prefill
 requests) into the metadata forward_mqa reads; decode rows run the Triton kernel (interpreter),
-prefill rows the torch reference. The result is checked against a float64 dense computation
-written here from docs/facts.md#sparse-mla-semantics, on a cache whose pages sit 128 rows apart (vLLM interleaves other
-layers' pages), with 5 heads and an index top-k of 100 (not a multiple of 64).
+prefill rows the torch reference. The result is checked against float64 attention
+(tests/support/oracle.py) over the rows the cache's bytes hold (tests/support/layout_oracle.py), on a
+cache whose pages sit 128 rows apart (vLLM interleaves other layers' pages), with 5 heads and an index
+top-k of 100 (not a multiple of 64).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support.layout_oracle import decode_cache
 from support.model_configs import write_model
-from support.vllm_engine import build_metadata, common_metadata, logical_topk, make_impl, make_vllm_config
+from support.oracle import sparse_attention
+from support.vllm_engine import (build_metadata, common_metadata, logical_to_rows, logical_topk, make_impl,
+                                 make_vllm_config)
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
-from mla_sm120_plugin.kernels.dsa.pack import dequantize_fp8_ds_mla, pack_bf16, quantize_fp8_ds_mla
+from mla_sm120_plugin.kernels.dsa.pack import pack_bf16, quantize_fp8_ds_mla
 
 HEADS, TOPK, PAGE, STRIDE_ROWS, NUM_BLOCKS = 5, 100, 64, 128, 12
 Q_LENS = [1, 1, 5, 3]  # decodes first, as vLLM reorders them
@@ -26,19 +30,10 @@ OUT_ATOL = 2e-2
 
 
 def _dense_expected(q, cache_rows_f64, logical, scale) -> torch.Tensor:
-    """docs/facts.md#sparse-mla-semantics per token, in float64, straight from block table and logical positions."""
-    out = torch.zeros(q.shape[0], HEADS, 512, dtype=torch.float64)
-    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
-    for t in range(q.shape[0]):
-        r = int(req_of[t])
-        pos = logical[t][logical[t] >= 0].long()
-        if pos.numel() == 0:
-            continue
-        slots = torch.tensor([BLOCK_TABLE[r][int(p) // PAGE] * STRIDE_ROWS + int(p) % PAGE for p in pos])
-        k = cache_rows_f64[slots]  # [n, 576]
-        s = scale * (q[t].double() @ k.T)  # [H, n]
-        out[t] = torch.softmax(s, dim=-1) @ k[:, :512]
-    return out
+    """docs/facts.md#sparse-mla-semantics per token, in float64 (tests/support/oracle.py), straight from
+    block table and logical positions."""
+    ids = logical_to_rows(logical, Q_LENS, BLOCK_TABLE, PAGE, STRIDE_ROWS)
+    return sparse_attention(q, cache_rows_f64, ids, scale)[0]
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_ds_mla", "bfloat16"])
@@ -62,10 +57,9 @@ def test_forward_mqa_mixed_batch_matches_dense_math(tmp_path, cpu_vllm, kv_dtype
     latent = torch.randn(NUM_BLOCKS * STRIDE_ROWS, 576, generator=gen)
     if kv_dtype == "fp8_ds_mla":
         rows = quantize_fp8_ds_mla(latent, "arbitrary")
-        rows_f64 = dequantize_fp8_ds_mla(rows).double()
     else:
         rows = pack_bf16(latent)
-        rows_f64 = rows.double()
+    rows_f64 = decode_cache(rows, "fp8_ds_mla" if kv_dtype == "fp8_ds_mla" else "bf16")  # the bytes' own values
     backing = rows.view(NUM_BLOCKS, STRIDE_ROWS, layout_width)
     kv_cache = backing[:, :PAGE]  # [blocks, 64, C], block stride 128 rows
     assert kv_cache.stride(0) == STRIDE_ROWS * layout_width

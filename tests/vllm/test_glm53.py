@@ -5,7 +5,7 @@ vLLM's fp8_ds_mla rows (0.33: 656 bytes whose last 128 are reserved zeros; 0.34:
 vLLM's own SM120 impl sizes them) or 512 bf16 values, and a
 2176-wide index buffer of logical positions (the kpool indexer's picks with -1 holes, then the tail
 columns), converted to slots by the impl. The expected values are float64 attention over the rows
-as tests/support/layout_oracle.py decodes their bytes.
+as tests/support/layout_oracle.py decodes their bytes (tests/support/oracle.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.layout_oracle import attention, decode_cache
+from support.layout_oracle import decode_cache
 from support.model_configs import write_model
-from support.vllm_engine import build_metadata, common_metadata, kv_cache_spec, make_impl, make_vllm_config, selector_kwargs
+from support.oracle import sparse_attention
+from support.vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_to_rows, make_impl,
+                                 make_vllm_config, selector_kwargs)
 
 from mla_sm120_plugin.engines import installed_release
 
@@ -92,13 +94,8 @@ def test_forward_mqa_matches_float64_attention(tmp_path, cpu_vllm, kv):
     assert lse is None and out.shape == (n, HEADS, 512)
 
     keys = decode_cache(rows, layout_name)  # [rows, 512] float64, the bytes' own values
-    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
-    slots = torch.full_like(logical, -1)
-    for t in range(n):
-        for j, p in enumerate(logical[t].tolist()):
-            if p >= 0:
-                slots[t, j] = BLOCK_TABLE[int(req_of[t])][p // PAGE] * STRIDE_ROWS + p % PAGE
-    expected, _ = attention(ql_nope, keys, slots, SCALE)
+    slots = logical_to_rows(logical, Q_LENS, BLOCK_TABLE, PAGE, STRIDE_ROWS)
+    expected, _ = sparse_attention(ql_nope, keys, slots, SCALE)
     # Each kernel is held to its own declared bound, in cos_diff, relRMS and max error; every kernel
     # that serves here (the fp8-MMA one for fp8, the exact one for bf16) is exact class.
     got = measure(out, expected)

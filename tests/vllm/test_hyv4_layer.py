@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.layout_oracle import decode_cache
 from support.model_configs import write_model
-from support.vllm_engine import (build_metadata, common_metadata, construction_context, logical_topk, make_impl,
-                                 make_vllm_config, one_rank as vllm_one_rank, sm120_pick)
+from support.oracle import sparse_attention
+from support.vllm_engine import (build_metadata, common_metadata, construction_context, logical_to_rows, logical_topk,
+                                 make_impl, make_vllm_config, one_rank as vllm_one_rank, sm120_pick)
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, measure
-from mla_sm120_plugin.kernels.dsa.pack import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from mla_sm120_plugin.kernels.dsa.pack import quantize_fp8_ds_mla
 
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
@@ -39,21 +41,10 @@ def _model_dir(tmp_path, heads=HEADS, topk=TOPK) -> str:
 
 
 def _dense_expected(q, rows_f64, logical, scale, sinks) -> torch.Tensor:
-    """Float64 attention per token over its candidates, the sink one more logit in the denominator
-    (docs/facts.md#sparse-mla-semantics); ``sinks`` None: none."""
-    out = torch.zeros(q.shape[0], HEADS, 512, dtype=torch.float64)
-    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
-    for t in range(q.shape[0]):
-        r = int(req_of[t])
-        pos = logical[t][logical[t] >= 0].long()
-        slots = torch.tensor([BLOCK_TABLE[r][int(p) // PAGE] * STRIDE_ROWS + int(p) % PAGE for p in pos])
-        k = rows_f64[slots]  # [n, 576]
-        s = scale * (q[t].double() @ k.T)  # [H, n]
-        if sinks is not None:
-            s = torch.cat([s, sinks.double()[:, None]], dim=1)
-        p = torch.softmax(s, dim=-1)[:, : k.shape[0]]
-        out[t] = p @ k[:, :512]
-    return out
+    """Float64 attention per token over its candidates (tests/support/oracle.py), the sink one more logit
+    in the denominator (docs/facts.md#sparse-mla-semantics); ``sinks`` None: none."""
+    ids = logical_to_rows(logical, Q_LENS, BLOCK_TABLE, PAGE, STRIDE_ROWS)
+    return sparse_attention(q, rows_f64, ids, scale, sink=sinks)[0]
 
 
 @pytest.mark.parametrize("decode_kernel", [TRITON, TORCH])
@@ -77,7 +68,7 @@ def test_the_impl_applies_the_layers_sinks_in_both_phases(tmp_path, cpu_vllm, de
 
     latent = torch.randn(NUM_BLOCKS * STRIDE_ROWS, 576, generator=gen)
     rows = quantize_fp8_ds_mla(latent, "arbitrary")
-    rows_f64 = dequantize_fp8_ds_mla(rows).double()
+    rows_f64 = decode_cache(rows, "fp8_ds_mla")  # the bytes' own values
     kv_cache = rows.view(NUM_BLOCKS, STRIDE_ROWS, 656)[:, :PAGE]
     n = sum(Q_LENS)
     logical = logical_topk(gen, Q_LENS, SEQ_LENS, TOPK)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.layout_oracle import attention, decode_cache
+from support.layout_oracle import decode_cache
 from support.model_configs import write_model
-from support.vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_topk, make_impl, make_vllm_config,
-                                 selector_kwargs)
+from support.oracle import sparse_attention
+from support.vllm_engine import (build_metadata, common_metadata, kv_cache_spec, logical_to_rows, logical_topk, make_impl,
+                                 make_vllm_config, selector_kwargs)
 
 from mla_sm120_plugin.errors import UnsupportedConfiguration
 from mla_sm120_plugin.integration.vllm.backend import MlaSm120Backend, decide
@@ -73,17 +74,6 @@ def test_kv_cache_spec_is_352_bytes_a_token(tmp_path):
         assert spec.real_page_size_bytes == spec.block_size * row, (kv, spec)
 
 
-def _slots(logical: torch.Tensor) -> torch.Tensor:
-    """Logical positions to global rows of the backing (blocks STRIDE_ROWS rows apart), -1 kept."""
-    req_of = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
-    out = torch.full_like(logical, -1)
-    for t in range(logical.shape[0]):
-        for j, p in enumerate(logical[t].tolist()):
-            if p >= 0:
-                out[t, j] = BLOCK_TABLE[int(req_of[t])][p // PAGE] * STRIDE_ROWS + p % PAGE
-    return out
-
-
 def test_forward_mqa_on_an_nvfp4_cache_matches_float64(tmp_path, cpu_vllm):
     gen = torch.Generator().manual_seed(17)
     vc = make_vllm_config(write_model(tmp_path, "glm", index_topk=TOPK, heads=HEADS), cache_dtype=NV,
@@ -112,6 +102,6 @@ def test_forward_mqa_on_an_nvfp4_cache_matches_float64(tmp_path, cpu_vllm):
     assert lse is None and out.shape == (n, HEADS, 512) and out.dtype == torch.bfloat16
     keys = decode_cache(backing, NV)  # [blocks * 128, 576] float64, by the oracle
     q = torch.cat([ql_nope, q_pe], dim=-1).double()
-    want, _ = attention(q, keys, _slots(logical), SCALE)
+    want, _ = sparse_attention(q, keys, logical_to_rows(logical, Q_LENS, BLOCK_TABLE, PAGE, STRIDE_ROWS), SCALE)
     err = (out.double() - want).abs().max().item()
     assert err <= OUT_ATOL * max(1.0, want.abs().max().item()), err
