@@ -1,6 +1,6 @@
 """Decode context parallelism through SGLang 0.5.23's own pieces: 2 and 4 gloo ranks, each keeping only the slots
-it owns (``tests/support/sglang_dcp.py`` runs them: SGLang's launcher passes, its DCP group, its q gather, its page-table
-localization inside the plugin's call, its LSE merges).
+it owns (``tests/support/sglang_dcp.py`` runs them on ``tests/support/dcp.py``'s skeleton: SGLang's launcher
+passes, its DCP group, its q gather, its page-table localization inside the plugin's call, its LSE merges).
 
 Each rank's partial (its kernel over the slots it owns, its own heads' sinks) is held to the exact class against
 float64 over the same slots, its LSE to float64's; the merged output to float64 attention over the whole cache.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.gloo_ranks import rank_result
+from support.dcp import rank_result
 from support.model_configs import write_model
 from support.sglang_dcp import Case, run_ranks
 

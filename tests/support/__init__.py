@@ -19,19 +19,21 @@ With torch:
   formulas.
 - :mod:`support.oracle`: the one float64 attention every kernel, dispatch, engine and DCP test checks
   against: :func:`~support.oracle.sparse_attention` over dequantized rows (optional sink, the LSE in a
-  stated base, the sink in it or not) and DeepSeek-V4's two-cache call, :func:`~support.oracle.dsv4_attention`.
+  stated base, the sink in it or not) and DeepSeek-V4's two-cache call, :func:`~support.oracle.dsv4_sparse_attention`.
 - :mod:`support.kernel_checks`: the test device, kernel-vs-reference tolerances, a tensor against an
   unreadable page, FlashInfer's refusal on this machine, an allocation counter.
 - :mod:`support.kernel_cases`: random caches in any DSA layout with candidates and q (the ``make_case``
   fixture).
 - :mod:`support.faulty_lse_kernels`: third-party kernels whose LSE is wrong in one way each (registered by
   tests/dispatch/test_selfcheck_dcp.py under ``support.faulty_lse_kernels:<name>``).
-- :mod:`support.gloo_ranks`: ``world`` engine ranks spawned on the CPU, joined in one gloo group.
+- :mod:`support.dcp`: the DCP tests' skeleton, both engines': the case's fields, the rows rank 0 owns all or
+  none of, each rank's partial and the merged output expected (the oracle, the sink in the LSE), ``world``
+  gloo ranks spawned on the CPU.
 
 With an engine:
 
 - :mod:`support.vllm_engine`: vLLM's GPU start-up reproduced on the CPU with its own objects.
 - :mod:`support.sglang_launch`: SGLang's launcher passes for a model directory.
-- :mod:`support.vllm_dcp`, :mod:`support.sglang_dcp`: one DCP rank of each engine on the CPU, inside the
-  engine's own decode-context-parallel pieces.
+- :mod:`support.vllm_dcp`, :mod:`support.sglang_dcp`: one DCP rank of each engine on :mod:`support.dcp`'s
+  skeleton: its cache placement, its problem's draws, its parallel state, its call and its merge.
 """

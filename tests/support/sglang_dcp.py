@@ -22,43 +22,34 @@ over CUDA devices). Each rank (:func:`_rank`) then runs every case as SGLang's D
 
 SGLang's registered collectives (``reg_reduce_scatter_tensor``, ``reg_all_to_all_single``) are custom ops
 with CUDA kernels only; each rank points them at the group methods their bodies call. Each rank returns its
-merged output for its own heads, its partial (out, LSE) and float64 attention for the same heads over the
-whole cache and over the slots it owns, as numpy arrays (a tensor shared with the parent dies with the
-child). Imported by the children, so nothing runs at import.
+merged output for its own heads, its partial (out, LSE) and the float64 oracle for the same heads over the
+whole cache and over the slots it owns (:func:`support.dcp.expected`, the fp8 rows read from SGLang's bytes
+by :mod:`support.layout_oracle`), as numpy arrays (a tensor shared with the parent dies with the child).
+What both engines' DCP tests share is :mod:`support.dcp`. Imported by the children, so nothing runs at import.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import traceback
 import types
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from support import dcp, layout_oracle
 
 LOCAL_SLOTS, PAGE, HEAD_DIM, LATENT = 192, 64, 576, 512
 
 
 @dataclass(frozen=True)
-class Case:
-    """One DCP forward: model, cache, kernels, SGLang's forward mode, merge, rows."""
+class Case(dcp.DcpCase):
+    """One DCP forward (:class:`support.dcp.DcpCase`), SGLang's defaults, and its forward mode."""
 
-    name: str
     model: str = "glm"  # "glm" or "hyv4" (learned sinks, SGLang's forced bf16 cache)
     kv: str = "fp8_e4m3"  # SGLang's --kv-cache-dtype ("auto" for HY V4: bfloat16)
-    decode_kernel: str = "triton_sparse_mla"
-    prefill_kernel: str = "torch_sparse_mla"
-    mode: str = "DECODE"  # SGLang's ForwardMode: DECODE, TARGET_VERIFY (1 + gamma rows a request), EXTEND
     comm: str = "ag_rs"  # SGLang's --dcp-comm-backend: "ag_rs" (cp_lse_ag_out_rs_mla) or "a2a"
-    heads: int = 3  # heads a rank (odd); a call sees heads x world
-    topk: int = 64
-    q_lens: tuple[int, ...] = (1, 1, 1, 1)
-    seq_lens: tuple[int, ...] = (150, 9, 70, 40)
-    # Rows rewritten: "padded" (no id), "first_rank" (only slots rank 0 owns: the others own none of its ids),
-    # "others" (no slot rank 0 owns).
-    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank"), (3, "others")))
+    mode: str = "DECODE"  # SGLang's ForwardMode: DECODE, TARGET_VERIFY (1 + gamma rows a request), EXTEND
 
     @property
     def sinks(self) -> bool:
@@ -69,7 +60,7 @@ def _problem(case: Case, world: int):
     """What every rank agrees on (one seed): the whole cache's rows, slot tables, q, sinks, top-k slots."""
     from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
 
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
+    gen = dcp.generator(case, world)
     slots_total = LOCAL_SLOTS * world
     keys = (torch.randn(slots_total, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
     # Each request's positions at distinct slots, never slot 0 (SGLang's padding slot, which its writer skips).
@@ -90,53 +81,23 @@ def _problem(case: Case, world: int):
         picks = torch.randperm(visible, generator=gen)[: min(visible, int(torch.randint(1, case.topk + 1, (1,),
                                                                                           generator=gen)))]
         topk[t, : len(picks)] = picks.to(torch.int32)
-    starts = [sum(case.q_lens[:r]) for r in range(len(case.q_lens))]
-    for r, kind in case.special:
-        t = starts[r]
-        topk[t] = -1
-        if kind in ("first_rank", "others"):
-            visible = rows[t][1]
-            mine = [p for p in range(visible) if (int(tables[r][p]) % world == 0) == (kind == "first_rank")][: case.topk]
-            topk[t, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+    dcp.rewrite_special_rows(topk, case, lambda r, p: int(tables[r][p]) % world == 0)
     slots = transform_index_page_table_decode(page_table, topk, page_size=1)  # SGLang's: positions -> slots
     q = torch.randn(n, case.heads * world, HEAD_DIM, generator=gen).to(torch.bfloat16)
     sinks = (torch.randn(case.heads * world, generator=gen) * 2).float() if case.sinks else None
     return keys, slots, topk, q, sinks
 
 
-def _expected(keys64, slots, q, sinks, scale: float, keep=None):
-    """Float64 attention of every row over its slots (``keep(slots)``: those a rank owns), a sink one more
-    logit of its head's denominator. Returns (out [T, H, 512], lse [T, H] natural log; no slot: 0, -inf or
-    the sink)."""
-    out = torch.zeros(q.shape[0], q.shape[1], LATENT, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    for t in range(q.shape[0]):
-        row = slots[t][slots[t] >= 0].long()
-        if keep is not None:
-            row = row[keep(row)]
-        k = keys64[row]
-        s = scale * (q[t].double() @ k.T)
-        if sinks is not None:
-            s = torch.cat([s, sinks.double()[:, None]], dim=1)
-        if s.shape[1] == 0:
-            continue
-        lse[t] = torch.logsumexp(s, dim=-1)
-        finite = torch.where(torch.isfinite(lse[t]), lse[t], torch.zeros_like(lse[t]))  # a head with nothing: 0
-        out[t] = torch.exp(s - finite[:, None])[:, : k.shape[0]] @ k[:, :LATENT]
-    return out, lse
-
-
 def _local_cache(case: Case, keys, world: int, rank: int):
-    """This rank's pool buffer ([LOCAL_SLOTS, 1, C]) and float64 keys of the whole cache as SGLang stores them."""
+    """This rank's pool buffer ([LOCAL_SLOTS, 1, C]) and float64 keys of the whole cache as SGLang stores them
+    (the fp8 rows read from SGLang's bytes by :mod:`support.layout_oracle`)."""
     from sglang.kernels.ops.kvcache.mla_buffer import set_mla_kv_buffer_dcp_sharded_triton
     from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache
 
-    from mla_sm120_plugin.kernels.dsa.pack import dequantize
-
     if case.kv == "fp8_e4m3":
         packed = quantize_k_cache(keys.view(-1, PAGE, 1, HEAD_DIM)).view(-1, 1, 656)  # SGLang's fp8 writer
-        # The stored values exactly (fp8 x scale in fp32; SGLang's own dequantization rounds them to bf16).
-        keys64 = dequantize(packed.view(torch.uint8)[:, 0], "fp8_ds_mla").double()
+        # The stored values exactly (fp8 x scale; SGLang's own dequantization rounds them to bf16).
+        keys64 = layout_oracle.decode_cache(packed.view(torch.uint8)[:, 0], "fp8_ds_mla")
         return packed[rank::world].contiguous(), keys64, None
     local = torch.zeros(LOCAL_SLOTS, 1, HEAD_DIM, dtype=torch.bfloat16)
     loc = torch.arange(keys.shape[0], dtype=torch.int64)
@@ -211,10 +172,10 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
         else:
             result = cp_lse_ag_out_rs_mla(out, lse, parallel.dcp_group, is_lse_base_on_e=base_e).transpose(0, 1)
         merged.append(result.reshape(-1, heads, LATENT).float())
-    want, _ = _expected(keys64, slots, q[:, mine], None if sinks is None else sinks[mine], scale)
-    own_sinks = None if sinks is None else torch.where(  # this rank's partial carries its own heads' sinks only
-        (torch.arange(heads * world) // heads) == rank, sinks, torch.full_like(sinks, float("-inf")))
-    part_out, part_lse = _expected(keys64, slots, q, own_sinks, scale, keep=lambda s: s % world == rank)
+    want, _ = dcp.expected(keys64, slots, q[:, mine], None if sinks is None else sinks[mine], scale)
+    # this rank's partial: the slots it owns, its own heads' sinks only
+    part_out, part_lse = dcp.expected(keys64, slots, q, dcp.own_sinks(sinks, world, rank), scale,
+                                      keep=slots % world == rank)
     lse_nat = partials[0][1].double() * (1.0 if base_e else math.log(2.0))
     to_np = lambda t: t.double().numpy()  # noqa: E731
     return {"merged": [to_np(m) for m in merged], "want": to_np(want), "out": to_np(partials[0][0]),
@@ -225,7 +186,7 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
 
 
 def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue) -> None:
-    try:
+    def join() -> None:
         torch.cuda.get_device_capability = lambda *a, **k: (12, 0)  # "this GPU": an SM120 (launch tests' stand-in)
         from sglang.srt.distributed import parallel_state as ps
         from sglang.srt.plugins import load_plugins
@@ -246,11 +207,8 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                              use_custom_allreduce=False, group_name="dcp")
         get_parallel().override_permanently(dcp_group=group, attn_dcp_size=world, attn_dcp_rank=rank,
                                             dcp_enabled=True)
-        from support.gloo_ranks import each_case
 
-        queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
-    except Exception:
-        queue.put((rank, traceback.format_exc()))
+    dcp.serve_rank(rank, queue, join, lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)
 
 
 def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -> dict:
@@ -259,9 +217,7 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     The children run Triton kernels (SGLang's and the plugin's) in its interpreter on CPU tensors
     (``TRITON_INTERPRET=1``), see no CUDA device and have the plugin enabled; set for them only.
     """
-    from support.gloo_ranks import run_ranks as run
-
     from mla_sm120_plugin.integration.sglang import names
 
     env = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", names.ENABLE_ENV: "1"}
-    return run(_rank, world, (model_dirs, cases), env, timeout)
+    return dcp.run_ranks(_rank, world, (model_dirs, cases), env, timeout)

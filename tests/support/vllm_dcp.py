@@ -5,7 +5,7 @@
 (:func:`_rank`) then runs every case the way vLLM's DSA attention layer does under DCP
 (``models/deepseek_v32/attention.py``):
 
-- the impl is built by :func:`vllm_engine.make_impl` (selector first; ``dcp_world_size`` / ``dcp_rank``
+- the impl is built by :func:`support.vllm_engine.make_impl` (selector first; ``dcp_world_size`` / ``dcp_rank``
   from vLLM's DCP group) and, for a model with sinks, gets its own heads' sink parameter, filled after
   construction as vLLM's loader fills it (then vLLM's ``process_weights_after_loading`` hook runs);
 - the rank's cache holds only the tokens it owns (``position // interleave % world``, at
@@ -14,42 +14,36 @@
   runs on the gathered q (vLLM's owner filter inside), and the manager's ``combine`` merges the ranks'
   outputs by their LSE in the base the impl declares, scattering the heads back.
 
-Each rank returns its merged output for its own heads and the float64 attention over the whole
-cache for the same heads, both computed here; the test compares them. Imported by the children, so
-nothing runs at import.
+Each rank returns its merged output for its own heads and its partial (out, LSE); the test compares them
+with the float64 oracle over the whole cache and over the tokens the rank owns (:func:`expected`, the
+rows read from the packed bytes by :mod:`support.layout_oracle`). What both engines' DCP tests share (the
+case's fields, the special rows, the expected outputs, the rank launcher) is :mod:`support.dcp`.
+Imported by the children, so nothing runs at import.
 """
 
 from __future__ import annotations
 
 import inspect
-import traceback
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from support import dcp, layout_oracle
 
 PAGE, STRIDE_ROWS, NUM_BLOCKS = 64, 128, 16
 
 
 @dataclass(frozen=True)
-class Case:
-    """One DCP call: model, cache, kernels per phase, interleave, merge backend, batch."""
+class Case(dcp.DcpCase):
+    """One DCP call (:class:`support.dcp.DcpCase`), vLLM's defaults, and the interleave and sinks."""
 
-    name: str
     model: str = "glm"  # vllm_engine.GEOMETRY key (hyv4 uses the glm geometry, with sinks)
     kv: str = "fp8_ds_mla"
-    decode_kernel: str = "triton_sparse_mla"
-    prefill_kernel: str = "torch_sparse_mla"
-    interleave: int = 1
     comm: str = "a2a"  # vLLM's --dcp-comm-backend: "a2a" or "ag_rs" (its default)
-    heads: int = 3  # heads a rank (odd); a call sees heads x world
     topk: int = 512  # the smallest index_topk vLLM's DCP top-k merge takes; rows hold fewer ids
     q_lens: tuple[int, ...] = (1, 1, 3, 4)  # decodes first; a 3-row request: 1 + 2 draft tokens
-    seq_lens: tuple[int, ...] = (150, 9, 70, 40)
+    interleave: int = 1
     sinks: bool = False
-    # Rows whose ids are rewritten: "padded" (no id: length 0), "first_rank" (only positions the
-    # first rank owns, so the others have none), "others" (none the first rank owns).
-    special: tuple[tuple[int, str], ...] = field(default=((1, "padded"), (2, "first_rank"), (3, "others")))
 
 
 def _owner_local(pos: int, world: int, interleave: int) -> tuple[int, int]:
@@ -57,33 +51,29 @@ def _owner_local(pos: int, world: int, interleave: int) -> tuple[int, int]:
 
 
 def _problem(case: Case, world: int):
-    """Everything every rank agrees on (one seed): per-request token rows, q, sinks, top-k ids."""
+    """Everything every rank agrees on (one seed): per-request packed token rows, q, sinks, top-k positions."""
     from support.vllm_engine import logical_topk
 
-    from mla_sm120_plugin.kernels.dsa.pack import dequantize, pack
+    from mla_sm120_plugin.kernels.dsa.pack import pack
 
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))  # the same in every process
+    gen = dcp.generator(case, world)
     width = 512 if case.model == "glm53" else 576
-    rows, rows64 = [], []
+    rows = []
     for sl in case.seq_lens:
         latent = torch.randn(sl, width, generator=gen)
-        packed = pack(latent, _layout(case), "arbitrary")
-        rows.append(packed)
-        rows64.append(dequantize(packed, _layout(case)).double())
+        rows.append(pack(latent, _layout(case), "arbitrary"))
     n = sum(case.q_lens)
     logical = logical_topk(gen, list(case.q_lens), list(case.seq_lens), case.topk)
-    starts = [sum(case.q_lens[:r]) for r in range(len(case.q_lens))]
-    for row, kind in case.special:
-        t = starts[row]
-        logical[t] = -1
-        if kind in ("first_rank", "others"):
-            visible = case.seq_lens[row] - case.q_lens[row] + 1
-            mine = [p for p in range(visible)
-                    if (_owner_local(p, world, case.interleave)[0] == 0) == (kind == "first_rank")][: case.topk]
-            logical[t, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+    dcp.rewrite_special_rows(logical, case, lambda r, p: _owner_local(p, world, case.interleave)[0] == 0)
     q = torch.randn(n, case.heads * world, width, generator=gen).to(torch.bfloat16)
     sinks = (torch.randn(case.heads * world, generator=gen) * 2).float() if case.sinks else None
-    return rows, rows64, q, logical, sinks
+    return rows, q, logical, sinks
+
+
+def cache_rows64(case: Case, rows) -> torch.Tensor:
+    """The whole cache's rows as their bytes hold them (:mod:`support.layout_oracle`), every request's
+    rows back to back: [sum(seq_lens), width] float64, the keys :func:`expected` reads."""
+    return torch.cat([layout_oracle.decode_cache(packed, _layout(case)) for packed in rows])
 
 
 def _layout(case: Case) -> str:
@@ -99,36 +89,16 @@ def owned(pos, world: int, interleave: int, rank: int):
     return (pos // interleave) % world == rank
 
 
-def own_sinks(sinks, world: int, rank: int):
-    """The sinks rank ``rank``'s partial counts: its own heads' (the slice ``rank`` of the gathered heads),
-    -inf (none) for the others', which their ranks count; None without sinks."""
-    if sinks is None:
-        return None
-    mine = (torch.arange(sinks.shape[0]) // (sinks.shape[0] // world)) == rank
-    return torch.where(mine, sinks, torch.full_like(sinks, float("-inf")))
-
-
-def expected(case: Case, rows64, q, logical, sinks, scale: float, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 attention of every row over its ids in the whole cache, the sink one more logit of the
-    denominator; a row with no id: 0 (and LSE -inf, or the sink). ``keep(pos)``: only the ids it
-    keeps (one rank's partial). Returns (out [T, H, 512], lse [T, H] natural log, sink included)."""
-    out = torch.zeros(q.shape[0], q.shape[1], 512, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+def expected(case: Case, keys64, q, logical, sinks, scale: float, rank: int | None = None,
+             world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`support.dcp.expected` for vLLM's rows: each query row's logical positions in its own request's
+    rows of ``keys64`` (:func:`cache_rows64`); ``rank``: only the positions that rank owns (its partial)."""
     req_of = torch.repeat_interleave(torch.arange(len(case.q_lens)), torch.tensor(case.q_lens))
-    for t in range(q.shape[0]):
-        pos = logical[t][logical[t] >= 0].long()
-        if keep is not None:
-            pos = pos[keep(pos)]
-        k = rows64[int(req_of[t])][pos]  # [n, width]
-        s = scale * (q[t].double() @ k.T)  # [H, n]
-        if sinks is not None:
-            s = torch.cat([s, sinks.double()[:, None]], dim=1)
-        if s.shape[1] == 0:
-            continue
-        lse[t] = torch.logsumexp(s, dim=-1)
-        finite = torch.where(torch.isfinite(lse[t]), lse[t], torch.zeros_like(lse[t]))  # a head with nothing: 0
-        out[t] = torch.exp(s - finite[:, None])[:, : k.shape[0]] @ k[:, :512]
-    return out, lse
+    first_row = torch.tensor([sum(case.seq_lens[:r]) for r in range(len(case.seq_lens))])
+    pos = logical.long()
+    ids = torch.where(pos >= 0, pos + first_row[req_of][:, None], -1)
+    keep = None if rank is None else owned(pos, world, case.interleave, rank)
+    return dcp.expected(keys64, ids, q, sinks, scale, keep)
 
 
 def _local_cache(case: Case, rows, world: int, rank: int):
@@ -176,7 +146,7 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
                           dcp_comm_backend=case.comm, enforce_eager=True,
                           additional_config={"mla_sm120": {"decode_kernel": case.decode_kernel,
                                                             "prefill_kernel": case.prefill_kernel}})
-    rows, rows64, q, logical, sinks = _problem(case, world)
+    rows, q, logical, sinks = _problem(case, world)
     mine = slice(rank * case.heads, (rank + 1) * case.heads)
     sink_param = None
     if case.sinks:
@@ -209,12 +179,12 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
 
 
 def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue) -> None:
-    try:
+    def join() -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed import parallel_state as ps
-        from support.vllm_engine import make_vllm_config
 
         import vllm.model_executor.layers.attention.sparse_mla_attention as sma
+        from support.vllm_engine import make_vllm_config
 
         sma.PIN_MEMORY = False  # what vLLM's CPU-less platform lacks (as the cpu_vllm fixture sets it)
         base = make_vllm_config(next(iter(model_dirs.values())), tp=world, dcp=world)
@@ -223,13 +193,14 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world,
                                          backend="gloo")
-        from support.gloo_ranks import each_case
 
-        queue.put((rank, each_case(lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases)))
+    def leave() -> None:
+        from vllm.distributed import parallel_state as ps
+
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
-    except Exception:
-        queue.put((rank, traceback.format_exc()))
+
+    dcp.serve_rank(rank, queue, join, lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases, leave)
 
 
 def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -> dict:
@@ -239,6 +210,5 @@ def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -
     no CUDA device (``CUDA_VISIBLE_DEVICES=""``: else vLLM swaps Triton for a placeholder on a machine
     without a driver); both are set for them only.
     """
-    from support.gloo_ranks import run_ranks as run
-
-    return run(_rank, world, (model_dirs, cases), {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout)
+    return dcp.run_ranks(_rank, world, (model_dirs, cases), {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
+                         timeout)

@@ -1,6 +1,6 @@
 """Decode context parallelism through vLLM's own pieces: 2 and 4 gloo ranks, each keeping only the tokens it
-owns (``tests/support/vllm_dcp.py`` runs them: vLLM's parallel state, MLADCPManager's head gather and LSE merge, the
-owner filter inside the impl's forward).
+owns (``tests/support/vllm_dcp.py`` runs them on ``tests/support/dcp.py``'s skeleton: vLLM's parallel state,
+MLADCPManager's head gather and LSE merge, the owner filter inside the impl's forward).
 
 Each rank's partial (its kernels over the ids it owns) is held to the exact class against float64 over the
 same ids, its LSE to float64's; the merged output to float64 attention over the whole cache. The merged bar
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.gloo_ranks import rank_result
+from support.dcp import own_sinks, rank_result
 from support.model_configs import write_model
-from support.vllm_dcp import Case, _problem, expected, own_sinks, owned, run_ranks
+from support.vllm_dcp import Case, _problem, cache_rows64, expected, run_ranks
 
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON, TRITON_FAST
 from mla_sm120_plugin.kernels.accuracy import EXACT_CLASS_BOUND, AccuracyBound, measure
@@ -76,7 +76,8 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         got = ranks[world][0][case.name]
         assert isinstance(got, str) and "not supported with decode context parallelism" in got, got
         pytest.skip(refused)
-    rows, rows64, q, logical, sinks = _problem(case, world)
+    rows, q, logical, sinks = _problem(case, world)
+    keys64 = cache_rows64(case, rows)
     for rank in range(world):
         got = rank_result(ranks, world, rank, case)
         mine = slice(rank * case.heads, (rank + 1) * case.heads)
@@ -87,14 +88,13 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         assert got["num_decode_tokens"] == 2  # the two 1-token requests
         # The rank's partial: its ids only, its own heads' sinks only (the one rule: every rank counts its
         # own heads' sinks, -inf for the others').
-        part, part_lse = expected(case, rows64, q, logical, own_sinks(sinks, world, rank), got["scale"],
-                                  keep=lambda pos: owned(pos, world, case.interleave, rank))
+        part, part_lse = expected(case, keys64, q, logical, own_sinks(sinks, world, rank), got["scale"], rank, world)
         assert not EXACT_CLASS_BOUND.violations(measure(got["out"], part)), (rank, measure(got["out"], part))
         finite = torch.isfinite(part_lse)
         assert torch.equal(torch.isfinite(got["lse"]), finite), rank  # -inf exactly where the rank has nothing
         assert (got["lse"][finite].double() - part_lse[finite]).abs().max() < 1e-4, rank
         # Merged by vLLM: the rank's own heads, over every rank's tokens.
-        whole, _ = expected(case, rows64, q, logical, sinks, got["scale"])
+        whole, _ = expected(case, keys64, q, logical, sinks, got["scale"])
         assert got["merged"].shape == (q.shape[0], case.heads, 512)
         assert not MERGED.violations(measure(got["merged"], whole[:, mine])), (rank, measure(got["merged"], whole[:, mine]))
         assert torch.isfinite(got["merged"]).all()
