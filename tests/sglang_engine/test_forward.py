@@ -245,7 +245,7 @@ def test_the_call_site_hands_every_binding_64_row_pages(tmp_path, capability, mo
     assert cache_k.dim() == 3 and cache_k.shape[1] == layout.PAGE_SIZE and cache_k.data_ptr() == cache.data_ptr()
     api._validate(q_k, cache_k, indices_k, sm_scale=kwargs["sm_scale"], kv_layout=kwargs["kv_layout"],
                   topk_length=kwargs["topk_length"], page_size=layout.PAGE_SIZE, out=None, return_lse=False,
-                  lse_base="e", sink=None, scale_format=kwargs.get("scale_format"))
+                  lse_base="e", lse_with_sink=False, sink=None, scale_format=kwargs.get("scale_format"))
     if kv == "fp8_e4m3":
         flashinfer.check_inputs(q_k, cache_k, indices_k, topk_length=kwargs["topk_length"], require_cuda=False)
 

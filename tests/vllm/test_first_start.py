@@ -108,7 +108,7 @@ def _assert_every_binding_takes(q, kv_cache, indices, kwargs, kv_dtype) -> None:
     binding's own checks (geometry: 64-row pages; minus only its CUDA-device requirement)."""
     api._validate(q, kv_cache, indices, sm_scale=kwargs["sm_scale"], kv_layout=kwargs["kv_layout"],
                   topk_length=kwargs.get("topk_length"), page_size=kv_cache.shape[1], out=kwargs.get("out"),
-                  return_lse=False, lse_base="e", sink=None, scale_format=kwargs.get("scale_format"))
+                  return_lse=False, lse_base="e", lse_with_sink=False, sink=None, scale_format=kwargs.get("scale_format"))
     assert kv_cache.dim() == 3 and kv_cache.shape[1] == layout.PAGE_SIZE, tuple(kv_cache.shape)
     if kv_dtype == "fp8_ds_mla":
         pages = flashinfer.check_inputs(q.to(torch.bfloat16), kv_cache, indices, topk_length=kwargs.get("topk_length"),
