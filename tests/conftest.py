@@ -54,6 +54,30 @@ def _fresh_registry():
     clear()
 
 
+# The engine suites build the plugin's impl or backend the way the engine does, and the engine's
+# construction runs the init self-check: each build checks the bound kernels again, in Triton's
+# interpreter (~2/3 of these suites' time). A test there runs it only when it is about it, marked
+# ``@pytest.mark.self_check``; the others run as a user with MLA_SM120_SELF_CHECK=off does (a documented
+# setting: the binding is the same, only the check is skipped). The self-check itself is held by
+# tests/dispatch (every kernel, layout, phase and LSE form) and by the marked engine tests (the engine's
+# own construction context, its DCP facts, its fallback and refusal). Fresh-process tests start from
+# support.cli.clean_env, which carries no MLA_SM120_* variable: their self-check runs.
+ENGINE_SUITES = ("vllm", "sglang_engine")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "self_check: an engine-suite test that runs the init self-check "
+                                       "(the others run with MLA_SM120_SELF_CHECK=off)")
+
+
+@pytest.fixture(autouse=True)
+def _self_check_only_where_marked(request, monkeypatch):
+    from mla_sm120_plugin.envs import SELF_CHECK
+
+    if request.path.parent.name in ENGINE_SUITES and request.node.get_closest_marker("self_check") is None:
+        monkeypatch.setenv(SELF_CHECK, "off")
+
+
 def _pip_install_target(tmp_path_factory, fixture: str) -> Path:
     """pip-install the fixture distribution ``tests/fixtures/<fixture>`` into its own target dir."""
     pytest.importorskip("setuptools", reason="building the fixture plugins needs setuptools (the test extra's venv has it)")

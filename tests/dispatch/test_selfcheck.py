@@ -104,8 +104,15 @@ def _doctor_checks(**kwargs):
     return done, json.loads(done.stdout)["self_check"]
 
 
-def test_doctor_self_check_passes_the_builtin_kernels_here():
-    done, checks = _doctor_checks()
+@pytest.fixture(scope="module")
+def builtin_doctor():
+    """One `doctor --self-check --json` run with the built-in kernels only (a fresh process, ~40 s on 2
+    cores): the DSA and the DeepSeek-V4 tests below read the same run."""
+    return _doctor_checks()
+
+
+def test_doctor_self_check_passes_the_builtin_kernels_here(builtin_doctor):
+    done, checks = builtin_doctor
     assert done.returncode == 0, done.stderr
     seen = {(c["kernel"], c["kv_layout"]) for c in checks if c["passed"]}
     for kernel in (TRITON, TORCH):
@@ -234,12 +241,12 @@ def test_a_faulty_fast_kernel_falls_back_naming_why(monkeypatch):
     assert f"decode={TRITON_FAST} FAILED" in line and "against float64" in line and f"falling back to {TRITON} ok" in line
 
 
-def test_doctor_self_check_runs_the_dsv4_kernel_on_both_records():
+def test_doctor_self_check_runs_the_dsv4_kernel_on_both_records(builtin_doctor):
     """`doctor --self-check` runs the DeepSeek-V4 kernels too (the engines' call on each record they read)."""
     from mla_sm120_plugin.dispatch.catalog import TRITON_DSV4
     from mla_sm120_plugin.kernels.dsv4 import layout as dsv4_layout
 
-    done, checks = _doctor_checks()
+    done, checks = builtin_doctor
     assert done.returncode == 0, done.stderr
     rows = {c["kv_layout"]: c for c in checks if c["kernel"] == TRITON_DSV4}
     assert sorted(rows) == sorted(dsv4_layout.RECORDS)

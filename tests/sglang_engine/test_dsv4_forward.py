@@ -73,6 +73,7 @@ def planned(tmp_path, capability, caplog):
     return caplog
 
 
+@pytest.mark.self_check  # asserts the DeepSeek-V4 self-check's line in SGLang's call
 @pytest.mark.parametrize("tokens, extra_page", [(3, 64), (2, 2), (2, 0), (65, 0)],
                          ids=["c4a-decode", "c128a-decode", "window-decode", "window-prefill-form"])
 def test_the_plans_kernel_serves_sglangs_call_and_matches_float64(planned, tokens, extra_page):

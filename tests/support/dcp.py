@@ -90,9 +90,14 @@ def expected(keys64: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, sinks: to
 # ---------------------------------------------------------------- the ranks
 
 
-def run_ranks(target: Callable[..., None], world: int, args: tuple, env: dict[str, str], timeout: float) -> dict:
+def run_ranks(target: Callable[..., None], world: int, args: tuple, env: dict[str, str], timeout: float,
+              self_check: str = "on") -> dict:
     """Start ``world`` ranks of ``target`` (spawned) on one free port with ``env`` set for them only; rank ->
-    what it put on the queue."""
+    what it put on the queue. ``self_check``: the ranks' ``MLA_SM120_SELF_CHECK`` (every rank runs the same
+    check, in the interpreter: a group that is not about it turns it off)."""
+    from mla_sm120_plugin.envs import SELF_CHECK
+
+    env = {**env, SELF_CHECK: self_check}
     import torch.multiprocessing as mp
 
     with socket.socket() as s:

@@ -154,6 +154,12 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
     impl = make_impl(vc, heads=case.heads, topk=case.topk, kv_cache_dtype=case.kv, scale=scale, load_device="cpu",
                      model="glm53" if case.model == "glm53" else "glm",
                      **({"sinks": sink_param} if sink_param is not None else {}))
+    # The DCP checks the impl's construction ran (none with MLA_SM120_SELF_CHECK=off): kernel, phase, the
+    # base of the LSE it held, the DCP size, sinks; and whether each passed with its LSE measured.
+    from mla_sm120_plugin.dispatch import selfcheck
+
+    self_checked = sorted((k.kernel, k.phase, k.lse, k.dcp, k.sinks, r.passed and r.lse is not None)
+                          for k, r in selfcheck._results.items() if k.lse is not None)
     if sink_param is not None:
         sink_param.copy_(sinks[mine])  # the checkpoint's values, loaded after construction
         impl.process_weights_after_loading(torch.bfloat16)  # vLLM's hook, after the loader
@@ -175,7 +181,8 @@ def _run_case(case: Case, world: int, rank: int, model_dir: str) -> dict:
     merged = manager.combine(out, lse, seq_lens=None, query_start_loc=None)
     return {"merged": merged.float(), "out": partial, "lse": partial_lse, "gathered_heads": gathered.shape[1],
             "decision": (impl.decision.prefill, impl.decision.decode), "decision_heads": impl.decision.context.num_heads,
-            "num_decode_tokens": md.num_decode_tokens, "owned_rows": owned_rows, "scale": scale}
+            "num_decode_tokens": md.num_decode_tokens, "owned_rows": owned_rows, "scale": scale,
+            "self_checked": self_checked}
 
 
 def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue) -> None:
@@ -203,12 +210,12 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, cases: list, queue
     dcp.serve_rank(rank, queue, join, lambda case: _run_case(case, world, rank, model_dirs[case.model]), cases, leave)
 
 
-def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900) -> dict:
+def run_ranks(world: int, model_dirs: dict, cases: list, timeout: float = 900, self_check: str = "on") -> dict:
     """Run ``cases`` on ``world`` gloo ranks; rank -> case name -> result (or a traceback string).
 
     The children run Triton kernels in its interpreter on CPU tensors (``TRITON_INTERPRET=1``) and see
     no CUDA device (``CUDA_VISIBLE_DEVICES=""``: else vLLM swaps Triton for a placeholder on a machine
-    without a driver); both are set for them only.
+    without a driver); both are set for them only, with ``self_check`` (:func:`support.dcp.run_ranks`).
     """
     return dcp.run_ranks(_rank, world, (model_dirs, cases), {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
-                         timeout)
+                         timeout, self_check)

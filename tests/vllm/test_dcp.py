@@ -57,10 +57,17 @@ def _model_dirs(tmp, world: int, heads: int = 3) -> dict:
     }
 
 
+# The init self-check runs in the 4-rank group only: there it is HY V4's rank call (sinks, the LSE in
+# vLLM's base, DCP 4) checked inside vLLM's construction; each 2-rank case would repeat a kernel check
+# tests/dispatch/test_selfcheck_dcp.py makes, on every rank, in the interpreter (~2 min of this file's 3).
+SELF_CHECK = {2: "off", 4: "on"}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """world -> rank -> case name -> what the rank returned (one process group per world size)."""
-    return {world: run_ranks(world, _model_dirs(tmp_path_factory.mktemp(f"dcp{world}"), world), list(cases))
+    return {world: run_ranks(world, _model_dirs(tmp_path_factory.mktemp(f"dcp{world}"), world), list(cases),
+                             self_check=SELF_CHECK[world])
             for world, cases in ((2, CASES_2), (4, CASES_4))}
 
 
@@ -100,6 +107,18 @@ def test_the_merged_output_is_attention_over_the_whole_cache(ranks, world, case)
         assert torch.isfinite(got["merged"]).all()
         assert got["merged"][1].abs().max() == 0  # the padded row: nothing to attend to (no sink: 0 too)
     assert sum(rank_result(ranks, world, r, case)["owned_rows"] for r in range(world)) == sum(case.seq_lens)
+
+
+def test_the_self_check_holds_the_lse_a_ranks_call_returns_inside_vllms_construction(ranks):
+    """Each rank of the 4-rank HY V4 group checked its decode kernel as vLLM calls it under DCP: the LSE in
+    vLLM's base (e), the DCP size 4, its own heads' sinks; passed, the LSE measured. The 2-rank group ran
+    with the self-check off and checked nothing."""
+    (case,) = CASES_4
+    for rank in range(4):
+        checked = rank_result(ranks, 4, rank, case)["self_checked"]
+        assert (case.decode_kernel, "decode", "e", 4, True, True) in checked, (rank, checked)
+        assert all(passed for *_, passed in checked), (rank, checked)
+    assert all(rank_result(ranks, 2, r, c)["self_checked"] == [] for r in range(2) for c in CASES_2)
 
 
 def test_vllms_selector_keeps_the_plugins_backend_under_dcp(tmp_path, monkeypatch):

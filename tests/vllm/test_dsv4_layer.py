@@ -129,8 +129,11 @@ def _build(cfg: VllmConfig, version: str = "v4", layers: tuple[int, ...] = (0, 1
                                                  aux_stream_list=None) for i in layers]
 
 
+@pytest.mark.self_check
 def test_the_opt_in_gives_every_layer_the_plugins_class_and_without_it_vllms(model_dir, sm):
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import DeepseekV4FlashInferSM120Attention
+
+    from mla_sm120_plugin.dispatch import selfcheck
 
     sm(12, 0)
     ours = _build(_vllm_config(model_dir))
@@ -138,6 +141,8 @@ def test_the_opt_in_gives_every_layer_the_plugins_class_and_without_it_vllms(mod
     assert {type(layer).__name__ for layer in ours} == {"MlaSm120DeepseekV4FlashInferSM120Attention"}
     # FlashInfer cannot run on this CPU (the probe says so): the plugin's kernel, after its self-check
     assert [layer.mla_sm120_kernels for layer in ours] == [{"prefill": TRITON_DSV4, "decode": TRITON_DSV4}] * 3
+    checked = {key.kernel: result.passed for key, result in selfcheck._results.items()}
+    assert checked == {TRITON_DSV4: True}, checked  # run inside vLLM's construction, once for the layers
     theirs = _build(_vllm_config(model_dir, custom=False))
     assert {type(layer) for layer in theirs} == {DeepseekV4FlashInferSM120Attention}
 

@@ -39,6 +39,7 @@ def tp1(monkeypatch):
     monkeypatch.setattr(sma, "get_tensor_model_parallel_world_size", lambda: 1)
 
 
+@pytest.mark.self_check
 def test_impl_self_checks_inside_vllms_construction_context(tmp_path, tp1):
     """Default self-check mode, bf16 default dtype, meta default device: the check runs, passes
     and says so on vLLM's console."""
@@ -73,6 +74,7 @@ def test_a_case_the_device_cannot_hold_fails_the_check_with_a_reason(monkeypatch
     assert result.error.startswith(f"could not build the self-check case on {device}: "), result.error
 
 
+@pytest.mark.self_check
 def test_the_impl_refuses_with_the_reason_instead_of_crashing(tmp_path, tp1, monkeypatch):
     vc = make_vllm_config(write_model(tmp_path, "glm", index_topk=TOPK, heads=HEADS), enforce_eager=True)
     if ON_GPU:

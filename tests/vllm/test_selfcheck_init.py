@@ -16,6 +16,8 @@ from mla_sm120_plugin.hooks.manager import reset_registry
 from mla_sm120_plugin.dispatch.catalog import TORCH, TRITON_FAST
 from mla_sm120_plugin.types import DECODE, PREFILL
 
+pytestmark = pytest.mark.self_check  # the init self-check is what this file is about (tests/conftest.py)
+
 HEADS, TOPK = 5, 100
 WRONG = "noscale_sparse_mla"
 
