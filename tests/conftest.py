@@ -71,11 +71,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _self_check_only_where_marked(request, monkeypatch):
+def _self_check_only_where_marked(request):
+    # Its own MonkeyPatch, not the test's: asking for the ``monkeypatch`` fixture here would set it up
+    # before every module's autouse fixtures, so it would undo a test's patches after their teardowns ran.
     from mla_sm120_plugin.envs import SELF_CHECK
 
-    if request.path.parent.name in ENGINE_SUITES and request.node.get_closest_marker("self_check") is None:
-        monkeypatch.setenv(SELF_CHECK, "off")
+    if request.path.parent.name not in ENGINE_SUITES or request.node.get_closest_marker("self_check") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SELF_CHECK, "off")
+        yield
 
 
 def _pip_install_target(tmp_path_factory, fixture: str) -> Path:
