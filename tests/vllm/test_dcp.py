@@ -118,7 +118,8 @@ def test_the_self_check_holds_the_lse_a_ranks_call_returns_inside_vllms_construc
         checked = rank_result(ranks, 4, rank, case)["self_checked"]
         assert (case.decode_kernel, "decode", "e", 4, True, True) in checked, (rank, checked)
         assert all(passed for *_, passed in checked), (rank, checked)
-    assert all(rank_result(ranks, 2, r, c)["self_checked"] == [] for r in range(2) for c in CASES_2)
+    served = [got for r in range(2) for got in ranks[2][r].values() if isinstance(got, dict)]  # not refused
+    assert served and all(got["self_checked"] == [] for got in served)
 
 
 def test_vllms_selector_keeps_the_plugins_backend_under_dcp(tmp_path, monkeypatch):
