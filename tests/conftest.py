@@ -87,7 +87,7 @@ def _self_check_only_where_marked(request):
 # The files that take minutes on 2 cores (per-file sums of `pytest --durations=0`, 2026-12-07), longest
 # first. Under --dist loadfile a file runs whole on one worker, in the order collected (noxfile.py turns off
 # xdist's reordering, which puts the files with the most tests first): a long file started last keeps one
-# worker busy after the other has finished. tests/unit/test_support_imports.py holds the list to the tree.
+# worker busy after the other has finished. tests/unit/test_files.py checks that each still exists.
 SLOW_FIRST = (
     "tests/tools/test_compile_gate.py",  # ~280 s: three arches' compiles
     "tests/vllm/test_dcp.py",  # 130-200 s: 2 and 4 gloo ranks
