@@ -28,11 +28,7 @@ nox.options.sessions = ["vllm", "vllm034", "sglang"]
 # --dist loadfile: a file's tests run on one worker, so a file's memoized fixtures (the compile
 # gate's three compiles) are made once. (--dist loadgroup does not group under pytest 9.2, whose
 # nodes no longer read the _nodeid that pytest-xdist 3.8 rewrites.)
-# --no-loadscope-reorder: the files run in the order tests/conftest.py collects them, the longest first
-# (xdist's own order puts the files with the most tests first, which started the compile gate and the DCP
-# files last).
-PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder",
-          "--durations=15"]
+PYTEST = ["-q", "--hypothesis-profile=ci", "-n", "auto", "--dist", "loadfile", "--durations=15"]
 # The engine-free suites (unit, kernels, tools, dispatch) run once, in the vllm session; the other sessions
 # run their engine's suite only, vllm034 with the tests that read the installed FlashInfer (0.7.4 there:
 # its API contract, its envelope table, the binding's arguments).

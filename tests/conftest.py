@@ -84,35 +84,6 @@ def _self_check_only_where_marked(request):
         yield
 
 
-# The files that take minutes on 2 cores (per-file sums of `pytest --durations=0`, 2026-12-07), longest
-# first. Under --dist loadfile a file runs whole on one worker, in the order collected (noxfile.py turns off
-# xdist's reordering, which puts the files with the most tests first): a long file started last keeps one
-# worker busy after the other has finished. tests/unit/test_files.py checks that each still exists.
-SLOW_FIRST = (
-    "tests/tools/test_compile_gate.py",  # ~280 s: three arches' compiles
-    "tests/vllm/test_dcp.py",  # 130-200 s: 2 and 4 gloo ranks
-    "tests/vllm/test_entry_point.py",  # 75-130 s: fresh vLLM processes
-    "tests/dispatch/test_selfcheck.py",  # ~100 s: two doctor processes
-    "tests/sglang_engine/test_plugin_loading.py",  # ~100 s: fresh SGLang processes
-    "tests/kernels/test_dsv4_split.py",  # ~95 s
-    "tests/sglang_engine/test_dsv4_forward.py",  # ~85 s
-    "tests/sglang_engine/test_dcp.py",  # ~80 s: gloo ranks
-    "tests/kernels/test_triton.py",  # ~80 s
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    first = {path: i for i, path in enumerate(SLOW_FIRST)}
-
-    def rank(item) -> int:
-        try:
-            return first.get(item.path.relative_to(ROOT).as_posix(), len(SLOW_FIRST))
-        except ValueError:  # a test outside this checkout (none today)
-            return len(SLOW_FIRST)
-
-    items.sort(key=rank)  # stable: every other file, and each file's tests, keep their order
-
-
 def _pip_install_target(tmp_path_factory, fixture: str) -> Path:
     """pip-install the fixture distribution ``tests/fixtures/<fixture>`` into its own target dir."""
     pytest.importorskip("setuptools", reason="building the fixture plugins needs setuptools (the test extra's venv has it)")

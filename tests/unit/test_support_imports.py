@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 from support.cli import clean_env
 
@@ -53,21 +52,3 @@ def test_the_package_map_names_every_module():
     modules = {f"support.{p.stem}" for p in here.glob("*.py") if p.stem != "__init__"}
     named = {m for m in modules if f":mod:`{m}`" in support.__doc__}
     assert named == modules, sorted(modules - named)
-
-
-def test_the_files_run_first_exist_and_are_run_first(pytestconfig):
-    """tests/conftest.py's SLOW_FIRST names test files that exist (a renamed file would silently fall back
-    to xdist's order), and its collection hook puts their tests ahead of every other file's."""
-    top = pytestconfig.pluginmanager.get_plugin(str(Path(__file__).resolve().parents[1] / "conftest.py"))
-    ROOT, SLOW_FIRST, pytest_collection_modifyitems = top.ROOT, top.SLOW_FIRST, top.pytest_collection_modifyitems
-
-    missing = [path for path in SLOW_FIRST if not (ROOT / path).is_file()]
-    assert not missing, missing
-
-    class Item:
-        def __init__(self, path: str):
-            self.path = ROOT / path
-
-    items = [Item("tests/unit/test_cli.py"), Item(SLOW_FIRST[1]), Item("tests/unit/test_cli.py"), Item(SLOW_FIRST[0])]
-    pytest_collection_modifyitems(None, items)
-    assert [item.path for item in items] == [ROOT / SLOW_FIRST[0], ROOT / SLOW_FIRST[1]] + [ROOT / "tests/unit/test_cli.py"] * 2
