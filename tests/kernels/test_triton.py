@@ -23,7 +23,7 @@ from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin import sparse_mla_forward
 from mla_sm120_plugin.kernels.dsa import triton as tk
 from mla_sm120_plugin.kernels.dsa.reference import torch_sparse_mla
-from mla_sm120_plugin.kernels.dsa.triton_parts import page_divisor
+from mla_sm120_plugin.kernels.shared.host import page_divisor
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",

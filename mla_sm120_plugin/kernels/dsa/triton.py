@@ -144,7 +144,7 @@ def _sparse_mla_kernel(
     of ``kv_ptr``: bytes of a uint8 cache, read through typed views of the same pointer (fp8
     latent, fp32 scales, bf16 rope), or elements of a bfloat16 cache; the row stride is the cache
     tensor's own, and reserved bytes (``fp8_ds_mla_nope``'s [528, 656)) are never loaded. A slot's
-    page is ``slot * page_magic >> page_shift`` (:func:`.triton_parts.page_divisor`).
+    page is ``slot * page_magic >> page_shift`` (:func:`..shared.host.page_divisor`).
 
     Each step loads the next step's slot ids, so every row address of a step is known one
     iteration ahead and Triton's pipeliner turns the row gathers into asynchronous copies issued a

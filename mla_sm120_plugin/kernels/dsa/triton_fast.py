@@ -178,7 +178,7 @@ def _fast_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (token, head block, split) program over a uint8 fp8 cache (offsets in bytes; pages found
-    by :func:`.triton_parts.page_divisor`'s multiply-shift; the row stride is the cache tensor's).
+    by :func:`..shared.host.page_divisor`'s multiply-shift; the row stride is the cache tensor's).
 
     Constexprs: ``ROPE`` (64, or 0 for a rope-less layout: no rope dot, no q rope tile) and
     ``ROPE_OFF`` (the rope's byte offset), from the layout; ``FINAL`` (write the output, one split,

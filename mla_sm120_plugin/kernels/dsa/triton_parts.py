@@ -20,7 +20,7 @@ import triton.language as tl
 from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsa import layout
 from mla_sm120_plugin.kernels.dsa import plan
-from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, LSE_PLAIN, cdiv, interpreting, lse_mode
+from mla_sm120_plugin.kernels.shared.host import LN2, LOG2E, LSE_PLAIN, cdiv, interpreting, lse_mode, page_divisor
 from mla_sm120_plugin.kernels.shared.combine import DTYPE_NAMES, combine_launch, finalize
 from mla_sm120_plugin.kernels.shared.triton import Launch
 
@@ -72,17 +72,6 @@ def num_slots(kv_cache: torch.Tensor) -> int:
     """Global slots a paged ([P, page, W]) or flat ([S, W]) cache holds."""
     return kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
 
-
-def page_divisor(page_size: int) -> tuple[int, int]:
-    """``(magic, shift)`` with ``slot * magic >> shift == slot // page_size`` for every slot in
-    ``[0, 2**31)``: ``shift = 31 + ceil(log2 page_size)``, ``magic = ceil(2**shift / page_size)``.
-
-    Exact: with ``magic * page_size = 2**shift + e``, ``0 <= e < page_size <= 2**(shift - 31)``,
-    the product overshoots ``slot / page_size`` by ``slot * e / (page_size * 2**shift) < 1 /
-    page_size``, less than the distance to the next integer; and ``slot * magic < 2**63``.
-    """
-    shift = 31 + (page_size - 1).bit_length()
-    return -(-(1 << shift) // page_size), shift
 
 
 def cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int]:

@@ -26,6 +26,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def page_divisor(page_size: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``slot * magic >> shift == slot // page_size`` for every slot in
+    ``[0, 2**31)``: ``shift = 31 + ceil(log2 page_size)``, ``magic = ceil(2**shift / page_size)``
+    (every kernel finds a slot's page by this multiply-shift, where a runtime integer division costs
+    registers).
+
+    Exact: with ``magic * page_size = 2**shift + e``, ``0 <= e < page_size <= 2**(shift - 31)``,
+    the product overshoots ``slot / page_size`` by ``slot * e / (page_size * 2**shift) < 1 /
+    page_size``, less than the distance to the next integer; and ``slot * magic < 2**63``.
+    """
+    shift = 31 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET`` set and not ``0``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
