@@ -35,9 +35,9 @@ from mla_sm120_plugin.errors import KernelInputError, format_error
 from mla_sm120_plugin.kernels.dsv4 import layout
 from mla_sm120_plugin.kernels.dsv4 import plan
 from mla_sm120_plugin.kernels.shared.combine import OUT_DIM, combine_launch
-from mla_sm120_plugin.kernels.shared.host import LOG2E, cdiv, interpreting
+from mla_sm120_plugin.kernels.shared.host import LOG2E, cdiv, interpreting, page_divisor
 from mla_sm120_plugin.kernels.shared.launch_plan import gpu_family
-from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, dot, dot_f16, store_rounded
+from mla_sm120_plugin.kernels.shared.triton import LOG2E_K, Launch, dot, dot_f16, e8m0_value, store_rounded
 
 REC = layout.FP8_RECORD
 
@@ -120,24 +120,19 @@ def _q_exponent(q_rows, h_mask):
     """Per head, the biased exponent ``e`` of the largest |q| over the NoPE columns (15 <= e <= 254):
     ``q * 2**(141 - e)`` puts that largest value in [2**14, 2**15), inside f16's range, and every q
     value down to 2**-31 of it keeps all of bf16's 8 bits there (:func:`_q_half`); the scores are
-    then scaled back by ``2**(e - 141)`` (:func:`_pow2`), exactly."""
+    then scaled back by ``2**(e - 141)`` (:func:`~..shared.triton.e8m0_value`), exactly."""
     cols = tl.arange(0, 512)
     q = tl.load(q_rows + cols[None, :], mask=h_mask[:, None] & (cols[None, :] < _NOPE), other=0.0).to(tl.float32)
     top = tl.max(tl.abs(q), 1)
     return tl.minimum(tl.maximum((top.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
 
 
-@triton.jit
-def _pow2(e):
-    """``2 ** (e - 127)`` as fp32 for a biased exponent ``1 <= e <= 254`` (exact)."""
-    return (e << 23).to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def _q_half(q_rows, h_mask, q_exp, COL0: tl.constexpr, WIDTH: tl.constexpr, STRIDE: tl.constexpr):
     """q's NoPE columns ``COL0 + STRIDE * j`` (``j < WIDTH``) times ``2**(141 - q_exp)`` per head, as
     f16 ([BLOCK_H, WIDTH]; exact, :func:`_q_exponent`)."""
-    q = _q(q_rows, h_mask, COL0, WIDTH, STRIDE).to(tl.float32) * _pow2(268 - q_exp)[:, None]
+    q = _q(q_rows, h_mask, COL0, WIDTH, STRIDE).to(tl.float32) * e8m0_value(268 - q_exp)[:, None]
     return q.to(tl.float16)
 
 
@@ -291,7 +286,7 @@ def _fp8_walk(q_rows, h_mask, swa_idx_row, extra_idx_row, lo, hi, swa_span, n_sw
     scale on its fp32 partial scores and on p); returns the softmax state and the eight
     [BLOCK_H, 64] accumulators."""
     q_exp = _q_exponent(q_rows, h_mask)
-    q_up = _pow2(q_exp - 14)[:, None]  # the NoPE scores' scale back (2 ** (e - 141))
+    q_up = e8m0_value(q_exp - 14)[:, None]  # the NoPE scores' scale back (2 ** (e - 141))
     q0 = _q_half(q_rows, h_mask, q_exp, 0, _GROUP, 1)
     q1 = _q_half(q_rows, h_mask, q_exp, _GROUP, _GROUP, 1)
     q2 = _q_half(q_rows, h_mask, q_exp, 2 * _GROUP, _GROUP, 1)
@@ -351,7 +346,7 @@ def _fp4_walk(q_rows, h_mask, swa_idx_row, extra_idx_row, lo, hi, swa_span, n_sw
     f16; the e4m3 scales inside the operand); returns the softmax state and fifteen accumulators
     (even / odd values of each piece, [BLOCK_H, 32], then the rope's [BLOCK_H, 64])."""
     q_exp = _q_exponent(q_rows, h_mask)
-    q_up = _pow2(q_exp - 14)[:, None]  # the NoPE scores' scale back (2 ** (e - 141))
+    q_up = e8m0_value(q_exp - 14)[:, None]  # the NoPE scores' scale back (2 ** (e - 141))
     q0e = _q_half(q_rows, h_mask, q_exp, 0, _FP4_PIECE, 2)
     q0o = _q_half(q_rows, h_mask, q_exp, 1, _FP4_PIECE, 2)
     q1e = _q_half(q_rows, h_mask, q_exp, 64, _FP4_PIECE, 2)
@@ -554,18 +549,6 @@ def _scratch(q: torch.Tensor, num_splits: int, workspace: torch.Tensor | None) -
     return (torch.empty(*shape, OUT_DIM, dtype=torch.float32, device=q.device),
             torch.empty(shape, dtype=torch.float32, device=q.device))
 
-
-def page_divisor(page_size: int) -> tuple[int, int]:
-    """``(magic, shift)`` with ``slot * magic >> shift == slot // page_size`` for every slot in
-    ``[0, 2**31)``: ``shift = 31 + ceil(log2 page_size)``, ``magic = ceil(2**shift / page_size)``.
-
-    Exact: with ``magic * page_size = 2**shift + e``, ``0 <= e < page_size <= 2**(shift - 31)``,
-    the product overshoots ``slot / page_size`` by ``slot * e / (page_size * 2**shift) < 1 /
-    page_size``, less than the distance to the next integer; and ``slot * magic < 2**63``. (The
-    DSA kernels' ``triton_parts.page_divisor`` is the same rule.)
-    """
-    shift = 31 + (page_size - 1).bit_length()
-    return -(-(1 << shift) // page_size), shift
 
 
 def _geometry(cache: torch.Tensor, page_size: int) -> tuple:
