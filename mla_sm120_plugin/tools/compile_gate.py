@@ -245,6 +245,15 @@ _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
+def _mma_counts(opcodes: list[str]) -> dict[str, int]:
+    """The MMA instructions among SASS ``opcodes`` (``HMMA``, ``QMMA.SF``, ...: an MMA opcode), by kind."""
+    counts: dict[str, int] = {}
+    for name in opcodes:
+        if "MMA" in name.split(".")[0]:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _longest_loop(sass: str) -> tuple[int, dict[str, int]]:
     """The longest loop body of ``nvdisasm -c`` text (from a label to a branch back to it): its
     instructions (a thread's, one iteration) and its MMAs by kind; ``(0, {})`` where there is none.
@@ -265,11 +274,7 @@ def _longest_loop(sass: str) -> tuple[int, dict[str, int]]:
         if op.group(1).startswith("BRA") and target and target.group(1) in at:
             loop = body[at[target.group(1)]:]
             if len(loop) > best[0]:
-                mma: dict[str, int] = {}
-                for name in loop:
-                    if "MMA" in name.split(".")[0]:
-                        mma[name] = mma.get(name, 0) + 1
-                best = (len(loop), dict(sorted(mma.items())))
+                best = (len(loop), _mma_counts(loop))
     return best
 
 
@@ -287,21 +292,15 @@ def _cubin_readings(cubin: bytes) -> dict[str, Any]:
     found = _RES_USAGE.search(usage.stdout)
     if usage.returncode != 0 or found is None or sass.returncode != 0:
         raise RuntimeError(f"cuobjdump/nvdisasm failed: {(usage.stderr + sass.stderr).strip()[-500:]}")
-    mma: dict[str, int] = {}
+    opcodes = [op.group(1) for op in map(_SASS_OPCODE.search, sass.stdout.splitlines()) if op is not None]
     loads: dict[str, int] = {}
-    for line in sass.stdout.splitlines():
-        op = _SASS_OPCODE.search(line)
-        if op is None:
-            continue
-        name = op.group(1)
-        if "MMA" in name.split(".")[0]:
-            mma[name] = mma.get(name, 0) + 1
-        elif name.startswith(("LDG", "LDGSTS")) and not name.startswith("LDGDEPBAR"):
+    for name in opcodes:
+        if name.startswith(("LDG", "LDGSTS")) and not name.startswith("LDGDEPBAR"):
             loads[name] = loads.get(name, 0) + 1
     loop_instructions, loop_mma = _longest_loop(sass.stdout)
     return dict(cubin_registers=int(found.group(1)), cubin_stack_bytes=int(found.group(2)),
                 static_shared_bytes=int(found.group(3)), local_bytes=int(found.group(4)),
-                mma=dict(sorted(mma.items())), global_loads=dict(sorted(loads.items())),
+                mma=_mma_counts(opcodes), global_loads=dict(sorted(loads.items())),
                 loop_instructions=loop_instructions, loop_mma=loop_mma)
 
 
