@@ -130,13 +130,18 @@ def shape_of(record: layout.Dsv4Record) -> Dsv4Shape:
     return SHAPES[record.name]
 
 
+def request_count(num_tokens: int, requests: int | None) -> int:
+    """The requests a call's tokens are: ``requests`` within 1 .. ``num_tokens``; None: one a token."""
+    return max(1, min(requests or num_tokens, num_tokens))
+
+
 def request_rows(num_tokens: int, window: int, compressed: int, requests: int | None = None) -> int:
     """Distinct rows the call's tokens read, ``requests`` requests of consecutive tokens (None: one a
     token, the most a call reads): a request's windows overlap (``n + W - 1`` rows for ``n``
     consecutive tokens) and its compressed rows are one set (exact for a C128A layer, whose tokens
     all attend every compressed entry; an upper bound on the reuse for a C4A one, whose indexer picks
     per token)."""
-    requests = max(1, min(requests or num_tokens, num_tokens))
+    requests = request_count(num_tokens, requests)
     rows = 0
     for r in range(requests):
         n = num_tokens // requests + (r < num_tokens % requests)
@@ -290,7 +295,7 @@ def plan_report(record_name: str, num_tokens: int, num_heads: int, window: int, 
     return dict(
         kernel=KERNEL, record=record_name, family=family_name, num_tokens=num_tokens, num_heads=num_heads,
         candidates=dict(window=window, compressed=compressed, total=window + compressed),
-        requests=max(1, min(requests or num_tokens, num_tokens)),
+        requests=request_count(num_tokens, requests),
         num_splits=cfg.num_splits, chunk=cfg.chunk(window, compressed),
         block_h=cfg.block_h, block_n=cfg.block_n, ctas_per_sm=ctas, reason=why,
         traffic=traffic(cfg, num_tokens, num_heads, window, compressed, record, family_name, requests).as_dict(),
