@@ -34,19 +34,13 @@ from mla_sm120_plugin.kernels.accuracy import measure
 from mla_sm120_plugin.kernels.dsv4 import layout, pack, plan
 from mla_sm120_plugin.kernels.dsv4.reference import dsv4_attention_reference
 
-DECODE_TOKENS = (1, 2, 4, 6, 64)  # a decode step, MTP / DSpark verifies of one request, a batch of 64
+DECODE_TOKENS = (1, 2, 4, 6, plan.BATCH_TOKENS)  # a decode step, MTP / DSpark verifies of one request, a batch
 DECODE_HEADS = (8, 16, 32, 64, 128)
 PREFILL_TOKENS = (512, 2048, 8192)  # prefill chunks of one request
 PREFILL_HEADS = (16, 32)
 WINDOW, WINDOW_PAGE = 128, 64
 KINDS = {"c4a": (512, 64), "c128a": (8192, 2)}  # kind -> (compressed candidates, compressed page)
 RECORDS = (layout.FP8_DSV4, layout.NVFP4_DSV4)
-
-
-def requests_of(tokens: int) -> int:
-    """Requests a shape's tokens are: T = 64 is a batched decode of one token a request, every other
-    shape one request (a decode step, a verify, a prefill chunk)."""
-    return tokens if tokens == 64 else 1
 
 
 SHAPES = [(record, kind, t, h) for record in RECORDS for kind in KINDS
@@ -170,10 +164,10 @@ def shape_row(record_name: str, kind: str, tokens: int, heads: int, device: str,
               workspace: torch.Tensor | None = None, requests: int | None = None) -> dict[str, Any]:
     """One shape: each of :func:`callables` checked against float64 and (with ``copy_gbps``) timed;
     ``workspace``: the uint8 bytes vLLM would pass the call (None: the kernels allocate);
-    ``requests``: how many requests the tokens are (None: :func:`requests_of`)."""
+    ``requests``: how many requests the tokens are (None: :func:`.plan.requests_of`)."""
     record = layout.RECORDS[record_name]
     compressed, _ = KINDS[kind]
-    requests = requests_of(tokens) if requests is None else requests
+    requests = plan.requests_of(tokens) if requests is None else requests
     inputs = build(record_name, kind, tokens, heads, device, footprint, requests=requests)
     n_ref = min(tokens, REFERENCE_TOKENS)
     want = reference(inputs, n_ref)

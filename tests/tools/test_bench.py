@@ -105,12 +105,13 @@ def test_plot_draws_both_ceilings(tmp_path):
 def test_dsv4_shapes_are_the_ones_the_issues_name():
     """The split issue's (T = 1 / 6 / 64 x 8 / 16 / 64 / 128 heads) and issue 51's: verifies of one
     request (T = 2-6), a batched decode (T = 64), prefill chunks (T = 512-8192) at 16 and 32 heads."""
+    from mla_sm120_plugin.kernels.dsv4 import plan as dsv4_plan
     from mla_sm120_plugin.tools import bench_dsv4
 
     shapes = {(t, h) for _, _, t, h in bench_dsv4.SHAPES}
     assert shapes >= {(t, h) for t in (1, 6, 64) for h in (8, 16, 64, 128)}
     assert shapes >= {(t, h) for t in (2, 4, 6, 64, 512, 2048, 8192) for h in (16, 32)}
-    assert [bench_dsv4.requests_of(t) for t in (1, 6, 64, 512)] == [1, 1, 64, 1]
+    assert [dsv4_plan.requests_of(t) for t in (1, 6, 64, 512)] == [1, 1, 64, 1]
     assert {kind: (bench_dsv4.WINDOW, c) for kind, (c, _) in bench_dsv4.KINDS.items()} == {
         "c4a": (128, 512), "c128a": (128, 8192)}
     assert {r for r, *_ in bench_dsv4.SHAPES} == {"fp8_dsv4", "nvfp4_dsv4"}

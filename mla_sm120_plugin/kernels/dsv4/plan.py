@@ -273,13 +273,21 @@ def modeled(cfg: Dsv4Config, family: ArchFamily, num_tokens: int, num_heads: int
 
 # The shapes the split issue names: (tokens, heads, window, compressed): C4A 128 + 512, C128A 128 + 8192.
 MUST_SHOW = [(t, h, 128, e) for t in (1, 6, 64) for h in (8, 16, 64, 128) for e in (512, 8192)]
+BATCH_TOKENS = 64  # the shapes' batched decode: one token a request
+
+
+def requests_of(tokens: int) -> int:
+    """Requests a modeled or benchmarked shape's tokens are: :data:`BATCH_TOKENS` is a batched decode
+    of one token a request, every other shape one request (a decode step, a verify, a prefill chunk)."""
+    return tokens if tokens == BATCH_TOKENS else 1
+
+
 # Issue 51's shapes, (tokens, heads, window, compressed, requests): an MTP / DSpark verify of 2-6
 # rows of one request, a batched decode of 64 requests, prefill chunks of one request; with
 # MUST_SHOW's shapes of at most 32 heads (T = 1 / 6: one request; T = 64: 64).
-SPEED_SHAPES = sorted({(t, h, 128, e, 1) for t in (2, 4, 6) for h in (16, 32) for e in (512, 8192)}
-                      | {(64, h, 128, e, 64) for h in (16, 32) for e in (512, 8192)}
-                      | {(t, h, 128, e, 1) for t in (512, 2048, 8192) for h in (16, 32) for e in (512, 8192)}
-                      | {(t, h, w, e, 1 if t < 64 else t) for t, h, w, e in MUST_SHOW if h <= 32})
+SPEED_SHAPES = sorted({(t, h, 128, e, requests_of(t)) for t in (2, 4, 6, BATCH_TOKENS, 512, 2048, 8192)
+                       for h in (16, 32) for e in (512, 8192)}
+                      | {(t, h, w, e, requests_of(t)) for t, h, w, e in MUST_SHOW if h <= 32})
 PREFILL_TOKENS = 512  # from here a shape is a prefill chunk: its bar is 1.5x, a decode's 1.3x
 HEAD_BUCKETS = (8, 16, 32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 6, 8, 16, 32, 64)
